@@ -1,0 +1,27 @@
+"""dspark_jax: DSpark speculative decoding for JAX.
+
+Public API (each name documented in its module):
+
+* `SamplingParams` (sampling_params): per-row temperature, top-k, top-p, seed.
+* `sample_step`, `row_keys`, `Stream` (sampling): one exact sampling step of a mixed batch.
+* `MarkovHead`, `ConfidenceHead`, `markov_head_from_arrays`, `confidence_head_from_arrays` (heads).
+* `DraftBlock`, `sample_block`, `sample_block_eager` (proposal): the γ-step block sampler.
+* `FoldedSampling`, `GateDecision` (memory_gate): the build-time memory gate.
+* `DraftSampler`, `build_draft_sampler` (draft_sampler): the compiled, routed draft proposer.
+"""
+
+from dspark_jax.draft_sampler import DraftSampler, build_draft_sampler
+from dspark_jax.heads import (ConfidenceHead, MarkovHead, confidence_head_from_arrays,
+                              markov_head_from_arrays)
+from dspark_jax.memory_gate import FoldedSampling, GateDecision
+from dspark_jax.proposal import DraftBlock, sample_block, sample_block_eager
+from dspark_jax.sampling import Stream, row_keys, sample_step
+from dspark_jax.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfidenceHead", "DraftBlock", "DraftSampler", "FoldedSampling", "GateDecision", "MarkovHead",
+    "SamplingParams", "Stream", "build_draft_sampler", "confidence_head_from_arrays",
+    "markov_head_from_arrays", "row_keys", "sample_block", "sample_block_eager", "sample_step",
+]

@@ -1,0 +1,93 @@
+"""The ``dspark-jax`` command line: ``demo`` (the default) and ``probe``.
+
+* ``dspark-jax demo``: a short self-contained run on random weights (`dspark_jax.demo`).
+* ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
+  those shapes on the current device and prints the memory gate's decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
+          "fp16": "float16", "f32": "float32", "float32": "float32", "fp32": "float32"}
+
+
+def _dtype(name: str) -> str:
+  try:
+    return DTYPES[name.lower()]
+  except KeyError:
+    raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command")
+
+  demo = sub.add_parser("demo", help="propose a mixed batch on every path (random weights)")
+  demo.add_argument("--batch-size", type=_positive, default=8)
+  demo.add_argument("--vocab", type=_positive, default=32768)
+  demo.add_argument("--gamma", type=_positive, default=7)
+  demo.add_argument("--rank", type=_positive, default=256)
+  demo.add_argument("--hidden", type=_positive, default=512)
+  demo.add_argument("--head", choices=("vanilla", "gated", "rnn"), default="vanilla")
+  demo.add_argument("--dtype", type=_dtype, default=None,
+                    help="logits/weights dtype (default: bf16 on GPU, f32 on CPU, which lacks bf16 math)")
+  demo.add_argument("--repeats", type=_positive, default=20)
+  demo.add_argument("--mode", choices=("off", "auto", "force"), default=None,
+                    help="folded sampling mode (default: $DSPARK_JAX_FOLDED_SAMPLING, else auto)")
+
+  probe = sub.add_parser("probe", help="print the memory gate's decision for the current device")
+  probe.add_argument("--max-batch-size", type=_positive, required=True)
+  probe.add_argument("--vocab", type=_positive, required=True)
+  probe.add_argument("--gamma", type=_positive, required=True)
+  probe.add_argument("--dtype", type=_dtype, default="bfloat16")
+  probe.add_argument("--rank", type=_positive, default=256)
+  probe.add_argument("--mode", choices=("off", "auto", "force"), default=None)
+  probe.add_argument("--headroom-gib", type=float, default=1.0)
+  return parser
+
+
+def probe(args) -> int:
+  import jax
+  import jax.numpy as jnp
+
+  from dspark_jax import draft_sampler, heads
+
+  # The gate only needs shapes; zero weights cost nothing to make.
+  head = heads.markov_head_from_arrays("vanilla", {
+      "w1": jnp.zeros((args.vocab, args.rank), args.dtype),
+      "w2": jnp.zeros((args.rank, args.vocab), args.dtype)})
+  sampler = draft_sampler.build_draft_sampler(
+      head, max_batch_size=args.max_batch_size, vocab_size=args.vocab, gamma=args.gamma,
+      logits_dtype=args.dtype, mode=args.mode, headroom_bytes=int(args.headroom_gib * 2**30))
+  device = jax.local_devices()[0]
+  print(f"device: {device.device_kind} ({device.platform})")
+  print(f"shapes: max_batch_size={args.max_batch_size} vocab={args.vocab} gamma={args.gamma} "
+        f"dtype={args.dtype} rank={args.rank}")
+  print(sampler.decision.summary())
+  return 0
+
+
+def main(argv=None) -> int:
+  logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+  args = _parser().parse_args(argv)
+  if args.command == "probe":
+    return probe(args)
+  from dspark_jax import demo
+  if args.command is None:
+    args = _parser().parse_args(["demo"])
+  return demo.run(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,254 @@
+"""`DraftSampler`: the built-once draft proposer that routes each batch to a compiled variant.
+
+`build_draft_sampler` resolves the memory gate (`memory_gate`) and compiles, ahead of time, the folded
+programs of `proposal.folded_block` for a fixed set of padding buckets (powers of two up to, and
+including, ``max_batch_size``), so steady-state proposing never recompiles:
+
+* **greedy-only** variant: always built;
+* **sampling** variant (mixed greedy + sampled rows, emits corrected logits): built iff the gate says so.
+
+`DraftSampler.propose` routes a batch (SPEC §5): all-greedy -> folded greedy-only; with sampled rows ->
+folded sampling if enabled, else the eager loop. The path taken is recorded on the block (`block.path`).
+Batches are padded with greedy filler rows to the next bucket; because every row's randomness depends
+only on its own (seed, position), padding never changes a real row's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax import heads as heads_lib
+from dspark_jax import memory_gate
+from dspark_jax import proposal
+from dspark_jax import sampling_params as sp
+
+FoldedSampling = memory_gate.FoldedSampling
+
+
+def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
+  """Padding buckets: 1, 2, 4, ... below `max_batch_size`, then `max_batch_size` itself."""
+  if max_batch_size < 1:
+    raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+  sizes = []
+  size = 1
+  while size < max_batch_size:
+    sizes.append(size)
+    size *= 2
+  sizes.append(max_batch_size)
+  return tuple(sizes)
+
+
+def _pad_rows(x, size):
+  if x is None or x.shape[0] == size:
+    return x
+  pad = [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+  return jnp.pad(x, pad)
+
+
+def _signature(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
+
+
+@dataclasses.dataclass
+class DraftSampler:
+  """Proposes draft blocks; build with `build_draft_sampler`.
+
+  Attributes:
+    head, confidence_head: the heads (weights are passed to the compiled programs as arguments).
+    max_batch_size, vocab_size, gamma, logits_dtype, hidden_size: the static shapes it serves.
+    buckets: the padding bucket sizes.
+    decision: the `memory_gate.GateDecision` taken at build time.
+    compilations: how many programs this sampler has compiled (for compile guards).
+  """
+
+  head: heads_lib.MarkovHead
+  confidence_head: heads_lib.ConfidenceHead | None
+  max_batch_size: int
+  vocab_size: int
+  gamma: int
+  logits_dtype: Any
+  hidden_size: int | None
+  buckets: tuple[int, ...]
+  decision: memory_gate.GateDecision | None = None
+  compilations: int = 0
+  _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  @property
+  def folded_sampling(self) -> bool:
+    """Whether mixed batches run the folded sampling variant (else they run eagerly)."""
+    return bool(self.decision and self.decision.folded_sampling)
+
+  @property
+  def uses_hidden(self) -> bool:
+    return self.head.needs_hidden or self.confidence_head is not None
+
+  def bucket_for(self, batch: int) -> int:
+    return next(b for b in self.buckets if b >= batch)
+
+  # ---- compilation ---------------------------------------------------------------------------------
+  def _abstract_inputs(self, bucket: int, hidden_dtype=None):
+    def spec(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype)
+    hidden = None
+    if self.uses_hidden:
+      hidden = spec((bucket, self.gamma, self.hidden_size), hidden_dtype or self.logits_dtype)
+    return (
+        jax.tree.map(lambda a: spec(a.shape, a.dtype), self.head.arrays()),
+        None if self.confidence_head is None
+        else jax.tree.map(lambda a: spec(a.shape, a.dtype), self.confidence_head.arrays()),
+        spec((bucket, self.gamma, self.vocab_size), self.logits_dtype),
+        spec((bucket,), jnp.int32), hidden, spec((bucket,), jnp.bool_), spec((bucket,), jnp.float32),
+        spec((bucket,), jnp.uint32), spec((bucket,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+
+  def _executable(self, greedy_only: bool, args: tuple):
+    signature = (greedy_only, _signature(args))
+    compiled = self._compiled.get(signature)
+    if compiled is None:
+      compiled = proposal.folded_block.lower(*args, kind=self.head.kind,
+                                             greedy_only=greedy_only).compile()
+      self._compiled[signature] = compiled
+      self.compilations += 1
+    return compiled
+
+  def compile_variant(self, greedy_only: bool, bucket: int, hidden_dtype=None):
+    """Compiles (or fetches) one variant at one bucket; returns the `jax.stages.Compiled`."""
+    return self._executable(greedy_only, self._abstract_inputs(bucket, hidden_dtype))
+
+  def warmup(self, hidden_dtype=None) -> None:
+    """Compiles every enabled variant at every bucket now, instead of on first use."""
+    for bucket in self.buckets:
+      self.compile_variant(True, bucket, hidden_dtype)
+      if self.folded_sampling:
+        self.compile_variant(False, bucket, hidden_dtype)
+
+  # ---- proposing ------------------------------------------------------------------------------------
+  def propose(self, base_logits: jax.Array, anchor: jax.Array, hidden: jax.Array | None,
+              params: sp.SamplingParams, key: jax.Array, positions: jax.Array
+              ) -> proposal.DraftBlock:
+    """Proposes a block (see `proposal.sample_block` for the arguments) on the path SPEC §5 picks.
+
+    Raises:
+      ValueError: more rows than `max_batch_size`, a vocab / γ / dtype mismatch, or any bad input.
+    """
+    if np.ndim(base_logits) != 3:
+      raise ValueError(f"base_logits: expected [B, γ, V], got shape {np.shape(base_logits)}")
+    batch, gamma, vocab = base_logits.shape
+    if batch > self.max_batch_size:
+      raise ValueError(f"base_logits: {batch} rows exceed max_batch_size={self.max_batch_size}")
+    if vocab != self.vocab_size:
+      raise ValueError(f"base_logits: vocab {vocab} does not match the sampler's {self.vocab_size}")
+    if gamma != self.gamma:
+      raise ValueError(f"base_logits: γ={gamma} does not match the sampler's γ={self.gamma}")
+    if base_logits.dtype != self.logits_dtype:
+      raise ValueError(f"base_logits: dtype {base_logits.dtype} does not match the sampler's "
+                       f"logits_dtype {np.dtype(self.logits_dtype)}")
+    proposal.check_block_inputs(self.head, base_logits, anchor, hidden, params, positions,
+                                self.confidence_head)
+    if not self.uses_hidden:
+      hidden = None  # a vanilla head without confidence never reads it; keep one signature
+    all_greedy = params.all_greedy()
+    if not all_greedy and not self.folded_sampling:
+      return proposal.sample_block_eager(self.head, base_logits, anchor, hidden, params, key,
+                                         positions, confidence_head=self.confidence_head)
+
+    bucket = self.bucket_for(batch)
+    rows = proposal.block_arrays(params.padded(bucket), _pad_rows(jnp.asarray(anchor), bucket),
+                                 _pad_rows(jnp.asarray(positions), bucket))
+    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    args = (self.head.arrays(),
+            None if self.confidence_head is None else self.confidence_head.arrays(),
+            _pad_rows(base_logits, bucket), rows["anchor"], _pad_rows(hidden, bucket),
+            rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], key)
+    tokens, corrected, confidence = self._executable(all_greedy, args)(*args)
+    if bucket != batch:
+      tokens = tokens[:batch]
+      corrected = None if corrected is None else corrected[:batch]
+      confidence = None if confidence is None else confidence[:batch]
+    return proposal.DraftBlock(
+        tokens=tokens, corrected_logits=None if all_greedy else corrected,
+        greedy_mask=rows["greedy"][:batch], temperatures=rows["temperature"][:batch],
+        confidence=confidence,
+        path=proposal.PATH_FOLDED_GREEDY if all_greedy else proposal.PATH_FOLDED_SAMPLING)
+
+
+def _infer_hidden_size(head, confidence_head, hidden_size):
+  if head.hidden_size is not None:
+    if hidden_size is not None and hidden_size != head.hidden_size:
+      raise ValueError(f"hidden_size: {hidden_size} does not match the head's H={head.hidden_size}")
+    return head.hidden_size
+  if confidence_head is not None and hidden_size is None:
+    raise ValueError("hidden_size: required with a vanilla head and a confidence head "
+                     "(the confidence weight alone cannot tell H from H+r)")
+  return hidden_size
+
+
+def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, vocab_size: int,
+                        gamma: int, logits_dtype=jnp.bfloat16,
+                        mode: FoldedSampling | str | None = None,
+                        headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
+                        memory_stats=None,
+                        confidence_head: heads_lib.ConfidenceHead | None = None,
+                        hidden_size: int | None = None) -> DraftSampler:
+  """Builds a `DraftSampler`: resolves the memory gate and compiles the folded variants once.
+
+  Args:
+    head: the sequential head.
+    max_batch_size: the most rows one `propose` call may carry; the largest padding bucket.
+    vocab_size: V; must match the head.
+    gamma: block size γ.
+    logits_dtype: dtype of the base (and corrected) logits.
+    mode: `FoldedSampling` (or "off" / "auto" / "force"); None reads ``$DSPARK_JAX_FOLDED_SAMPLING``,
+      default AUTO.
+    headroom_bytes: AUTO's required margin beyond the estimated need (default 1 GiB).
+    memory_stats: override of the device's memory statistics: a mapping shaped like
+      ``jax.Device.memory_stats()``, or a callable returning one. See `memory_gate` for the policy
+      when nothing is reported.
+    confidence_head: optional confidence head, run inside the folded loop.
+    hidden_size: H, needed only when it cannot be read off the heads.
+
+  Returns:
+    A `DraftSampler` whose greedy-only variant (and sampling variant, if enabled) is compiled at the
+    largest bucket; smaller buckets compile on first use, or all at once with `DraftSampler.warmup`.
+  """
+  mode = memory_gate.resolve_mode(mode)
+  if vocab_size != head.vocab_size:
+    raise ValueError(f"vocab_size: {vocab_size} does not match the head's vocab {head.vocab_size}")
+  if gamma < 1:
+    raise ValueError(f"gamma: must be >= 1, got {gamma}")
+  if headroom_bytes < 0:
+    raise ValueError(f"headroom_bytes: must be >= 0, got {headroom_bytes}")
+  logits_dtype = jnp.dtype(logits_dtype)
+  if not jnp.issubdtype(logits_dtype, jnp.floating):
+    raise ValueError(f"logits_dtype: expected a float dtype, got {logits_dtype}")
+  sampler = DraftSampler(
+      head=head, confidence_head=confidence_head, max_batch_size=max_batch_size,
+      vocab_size=vocab_size, gamma=gamma, logits_dtype=logits_dtype,
+      hidden_size=_infer_hidden_size(head, confidence_head, hidden_size),
+      buckets=bucket_sizes(max_batch_size))
+
+  need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype)
+  free, source = memory_gate.probe_free_bytes(memory_stats)
+  enabled, reason = memory_gate.decide(mode, need, free, headroom_bytes, source)
+  compiled_bytes = None
+  if mode is not FoldedSampling.OFF:
+    analysis = sampler.compile_variant(False, max_batch_size).memory_analysis()
+    if analysis is not None:
+      compiled_bytes = int(analysis.output_size_in_bytes + analysis.temp_size_in_bytes)
+    if not enabled:
+      sampler._compiled.clear()  # not used: do not keep the executable around
+  sampler.decision = memory_gate.GateDecision(
+      mode=mode, folded_sampling=enabled, need_bytes=need, free_bytes=free,
+      headroom_bytes=headroom_bytes, compiled_bytes=compiled_bytes, reason=reason)
+  if mode is FoldedSampling.AUTO and not enabled:
+    memory_gate.logger.warning("dspark_jax: folded sampling disabled; %s", reason)
+  sampler.compile_variant(True, max_batch_size)
+  return sampler

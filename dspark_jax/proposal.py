@@ -1,0 +1,240 @@
+"""Block sampling of a DSpark draft: the γ-step loop, folded (one compiled program) or eager.
+
+Given the backbone's base logits ``U`` [B, γ, V] and hidden states ``h`` [B, γ, H], step k = 1..γ
+computes the *corrected* logits ``L_k = U_k + bias_k(x_{k-1})`` (x_0 = anchor), stores them in the
+logits dtype, and samples ``x_k`` from the stored values: greedy rows by argmax, sampled rows exactly
+from ``softmax(L_k / T)``. Sampling from the *stored* (rounded) logits is deliberate: the verifier's
+draft law ``q = softmax(corrected / T)`` is then exactly the law the tokens were drawn from.
+
+Two paths run the same step function (`_block_step`) and give bit-identical results for the same key:
+
+* **folded** (`sample_block`): the whole loop in one jitted program (`lax.fori_loop`, outputs written
+  in place), the JAX counterpart of SGLang's CUDA-graph folding. Variant ``greedy_only=True`` takes the
+  argmax everywhere and does not emit corrected logits (greedy verification does not need them).
+* **eager** (`sample_block_eager`): a Python loop calling the compiled step γ times: the reference, and
+  the fallback for mixed batches when the memory gate disables the folded sampling variant.
+
+Randomness: draft token k of row b uses the stream of ``(key, seed_b, positions_b + k, Stream.DRAFT)``,
+where ``positions`` holds the anchors' absolute positions. So block sampling at step k draws exactly
+what ``sample_step(L_k, params, key, positions + k)`` would.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dspark_jax import heads as heads_lib
+from dspark_jax import sampling
+from dspark_jax import sampling_params as sp
+
+PATH_FOLDED_SAMPLING = "folded-sampling"
+PATH_FOLDED_GREEDY = "folded-greedy"
+PATH_EAGER = "eager"
+
+
+@struct.dataclass
+class DraftBlock:
+  """A proposed block of γ draft tokens per row.
+
+  Attributes:
+    tokens: [B, γ] int32 draft tokens x_1..x_γ.
+    corrected_logits: [B, γ, V] corrected logits (before temperature) in the base logits' dtype, or
+      None on the greedy-only path.
+    greedy_mask: [B] bool, rows drafted by argmax.
+    temperatures: [B] float32 draft temperatures (clamped >= 1e-5).
+    confidence: [B, γ] float32 confidence per position, or None without a confidence head.
+    path: which path produced the block ("folded-sampling", "folded-greedy" or "eager"); static.
+  """
+
+  tokens: jax.Array
+  corrected_logits: jax.Array | None
+  greedy_mask: jax.Array
+  temperatures: jax.Array
+  confidence: jax.Array | None
+  path: str = struct.field(pytree_node=False, default=PATH_FOLDED_SAMPLING)
+
+
+def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
+                greedy, temperature, seeds, positions, key):
+  """One position of the block: bias, correct, round to the logits dtype, sample, confidence.
+
+  Returns ``(tokens [B] int32, new_state [B, r], corrected [B, V] logits dtype, confidence [B] | None)``.
+  """
+  bias, e, state = heads_lib.markov_step(kind, head_params, prev, hidden_k, state)
+  corrected = (base_k.astype(jnp.float32) + bias).astype(base_k.dtype)
+  if greedy_only:
+    tokens = sampling.greedy_tokens(corrected)
+  else:
+    keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
+    tokens = sampling.sample_tokens(corrected, greedy, temperature, keys)
+  confidence = None
+  if conf_params is not None:
+    confidence = heads_lib.confidence_step(conf_params, hidden_k, e, k)
+  return tokens, state, corrected, confidence
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only"))
+def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
+                 positions, key, *, kind, greedy_only):
+  """The folded γ-step loop as one program; arrays only (see `sample_block` for the meaning).
+
+  Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
+  """
+  batch, gamma, vocab = base_logits.shape
+  rank = head_params["w1"].shape[1]
+  carry = {
+      "prev": anchor.astype(jnp.int32),
+      "state": jnp.zeros((batch, rank), jnp.float32),
+      "tokens": jnp.zeros((batch, gamma), jnp.int32),
+  }
+  if not greedy_only:
+    carry["corrected"] = jnp.zeros((batch, gamma, vocab), base_logits.dtype)
+  if conf_params is not None:
+    carry["confidence"] = jnp.zeros((batch, gamma), jnp.float32)
+
+  def body(k, carry):
+    base_k = jax.lax.dynamic_index_in_dim(base_logits, k, axis=1, keepdims=False)
+    hidden_k = (None if hidden is None
+                else jax.lax.dynamic_index_in_dim(hidden, k, axis=1, keepdims=False))
+    tokens, state, corrected, confidence = _block_step(
+        kind, head_params, conf_params, greedy_only, k, carry["prev"], carry["state"], base_k,
+        hidden_k, greedy, temperature, seeds, positions, key)
+    out = dict(carry, prev=tokens, state=state)
+    out["tokens"] = jax.lax.dynamic_update_index_in_dim(carry["tokens"], tokens, k, axis=1)
+    if "corrected" in carry:
+      out["corrected"] = jax.lax.dynamic_update_index_in_dim(carry["corrected"], corrected, k, 1)
+    if "confidence" in carry:
+      out["confidence"] = jax.lax.dynamic_update_index_in_dim(carry["confidence"], confidence, k, 1)
+    return out
+
+  carry = jax.lax.fori_loop(0, gamma, body, carry)
+  return carry["tokens"], carry.get("corrected"), carry.get("confidence")
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only"))
+def _eager_step(head_params, conf_params, k, prev, state, base_k, hidden_k, greedy, temperature,
+                seeds, positions, key, *, kind, greedy_only):
+  return _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
+                     greedy, temperature, seeds, positions, key)
+
+
+def eager_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
+                positions, key, *, kind, greedy_only=False):
+  """The same loop step by step from Python (one compiled step, called γ times)."""
+  batch, gamma, _ = base_logits.shape
+  prev = jnp.asarray(anchor, jnp.int32)
+  state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
+  tokens, corrected, confidence = [], [], []
+  for k in range(gamma):
+    hidden_k = None if hidden is None else hidden[:, k]
+    prev, state, corrected_k, confidence_k = _eager_step(
+        head_params, conf_params, jnp.int32(k), prev, state, base_logits[:, k], hidden_k, greedy,
+        temperature, seeds, positions, key, kind=kind, greedy_only=greedy_only)
+    tokens.append(prev)
+    corrected.append(corrected_k)
+    confidence.append(confidence_k)
+  return (jnp.stack(tokens, axis=1),
+          None if greedy_only else jnp.stack(corrected, axis=1),
+          None if conf_params is None else jnp.stack(confidence, axis=1))
+
+
+# ---- public entry points ---------------------------------------------------------------------------
+
+
+def check_block_inputs(head: heads_lib.MarkovHead, base_logits, anchor, hidden, params, positions,
+                       confidence_head=None) -> None:
+  """Raises ValueError (naming the argument) unless the inputs of a block proposal fit together."""
+  if np.ndim(base_logits) != 3:
+    raise ValueError(f"base_logits: expected [B, γ, V], got shape {np.shape(base_logits)}")
+  if not jnp.issubdtype(base_logits.dtype, jnp.floating):
+    raise ValueError(f"base_logits: expected a float dtype, got {base_logits.dtype}")
+  batch, gamma, vocab = base_logits.shape
+  if vocab != head.vocab_size:
+    raise ValueError(f"base_logits: vocab {vocab} does not match the head's vocab {head.vocab_size}")
+  sampling.check_batch("anchor", anchor, batch)
+  sampling.check_batch("positions", positions, batch)
+  if not isinstance(params, sp.SamplingParams):
+    raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+  if params.batch_size != batch:
+    raise ValueError(f"params: has {params.batch_size} rows but base_logits has {batch}")
+  needs_hidden = head.needs_hidden or confidence_head is not None
+  if hidden is None:
+    if needs_hidden:
+      what = "a confidence head" if not head.needs_hidden else f"a {head.kind!r} head"
+      raise ValueError(f"hidden: {what} needs the backbone hidden states [B, γ, H], got None")
+    return
+  if np.ndim(hidden) != 3 or tuple(hidden.shape[:2]) != (batch, gamma):
+    raise ValueError(f"hidden: expected [{batch}, {gamma}, H], got shape {np.shape(hidden)}")
+  if head.hidden_size is not None and hidden.shape[2] != head.hidden_size:
+    raise ValueError(f"hidden: H={hidden.shape[2]} does not match the head's H={head.hidden_size}")
+  if confidence_head is not None:
+    width = confidence_head.w.shape[0]
+    if width not in (hidden.shape[2], hidden.shape[2] + head.rank):
+      raise ValueError(f"confidence_head: w has {width} entries; expected H={hidden.shape[2]} or "
+                       f"H+r={hidden.shape[2] + head.rank}")
+    temps = confidence_head.temperatures
+    if temps is not None and temps.shape[0] != gamma:
+      raise ValueError(f"confidence_head: has {temps.shape[0]} temperatures for γ={gamma}")
+
+
+def block_arrays(params: sp.SamplingParams, anchor, positions) -> dict[str, Any]:
+  """The per-row arrays the step function reads, from the sampling params."""
+  return {
+      "anchor": jnp.asarray(anchor, jnp.int32),
+      "greedy": jnp.asarray(params.greedy_mask),
+      "temperature": jnp.asarray(params.draft_temperature),
+      "seeds": jnp.asarray(params.seed, jnp.uint32),
+      "positions": jnp.asarray(positions, jnp.int32),
+  }
+
+
+def _run(runner, path, head, base_logits, anchor, hidden, params, key, positions, confidence_head,
+         greedy_only):
+  check_block_inputs(head, base_logits, anchor, hidden, params, positions, confidence_head)
+  rows = block_arrays(params, anchor, positions)
+  conf_params = None if confidence_head is None else confidence_head.arrays()
+  tokens, corrected, confidence = runner(
+      head.arrays(), conf_params, base_logits, rows["anchor"], hidden, rows["greedy"],
+      rows["temperature"], rows["seeds"], rows["positions"], key, kind=head.kind,
+      greedy_only=greedy_only)
+  return DraftBlock(tokens=tokens, corrected_logits=corrected, greedy_mask=rows["greedy"],
+                    temperatures=rows["temperature"], confidence=confidence, path=path)
+
+
+def sample_block(head: heads_lib.MarkovHead, base_logits: jax.Array, anchor: jax.Array,
+                 hidden: jax.Array | None, params: sp.SamplingParams, key: jax.Array,
+                 positions: jax.Array, *, confidence_head: heads_lib.ConfidenceHead | None = None,
+                 greedy_only: bool = False) -> DraftBlock:
+  """Samples a draft block with the folded (single compiled program) loop.
+
+  Args:
+    head: the sequential head.
+    base_logits: [B, γ, V] backbone logits; row k predicts draft token k+1.
+    anchor: [B] int, the last committed token of each row (x_0).
+    hidden: [B, γ, H] backbone hidden states, or None (allowed for a vanilla head without confidence).
+    params: `SamplingParams` with B rows.
+    key: base PRNG key.
+    positions: [B] int absolute position of each anchor; draft token k sits at ``positions + k``.
+    confidence_head: optional; fills ``DraftBlock.confidence``.
+    greedy_only: argmax on every row and do not emit corrected logits.
+
+  Returns:
+    A `DraftBlock`.
+  """
+  return _run(folded_block, PATH_FOLDED_GREEDY if greedy_only else PATH_FOLDED_SAMPLING, head,
+              base_logits, anchor, hidden, params, key, positions, confidence_head, greedy_only)
+
+
+def sample_block_eager(head: heads_lib.MarkovHead, base_logits: jax.Array, anchor: jax.Array,
+                       hidden: jax.Array | None, params: sp.SamplingParams, key: jax.Array,
+                       positions: jax.Array, *,
+                       confidence_head: heads_lib.ConfidenceHead | None = None) -> DraftBlock:
+  """Same contract as `sample_block` (sampling variant), run step by step from Python."""
+  return _run(eager_block, PATH_EAGER, head, base_logits, anchor, hidden, params, key, positions,
+              confidence_head, False)
