@@ -44,10 +44,11 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 
 def _pad_rows(x, size):
+  """Zero rows appended up to `size` (NumPy on the host for host values: nothing to compile)."""
   if x is None or x.shape[0] == size:
     return x
   pad = [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-  return jnp.pad(x, pad)
+  return np.pad(x, pad) if isinstance(x, np.ndarray) else jnp.pad(x, pad)
 
 
 def _signature(tree) -> tuple:
@@ -160,8 +161,8 @@ class DraftSampler:
                                          positions, confidence_head=self.confidence_head)
 
     bucket = self.bucket_for(batch)
-    rows = proposal.block_arrays(params.padded(bucket), _pad_rows(jnp.asarray(anchor), bucket),
-                                 _pad_rows(jnp.asarray(positions), bucket))
+    rows = proposal.block_arrays(params.padded(bucket), _pad_rows(np.asarray(anchor), bucket),
+                                 _pad_rows(np.asarray(positions), bucket))
     if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
     args = (self.head.arrays(),
@@ -169,13 +170,14 @@ class DraftSampler:
             _pad_rows(base_logits, bucket), rows["anchor"], _pad_rows(hidden, bucket),
             rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], key)
     tokens, corrected, confidence = self._executable(all_greedy, args)(*args)
+    greedy, temperature = rows["greedy"], rows["temperature"]
     if bucket != batch:
-      tokens = tokens[:batch]
+      tokens, greedy, temperature = tokens[:batch], greedy[:batch], temperature[:batch]
       corrected = None if corrected is None else corrected[:batch]
       confidence = None if confidence is None else confidence[:batch]
     return proposal.DraftBlock(
         tokens=tokens, corrected_logits=None if all_greedy else corrected,
-        greedy_mask=rows["greedy"][:batch], temperatures=rows["temperature"][:batch],
+        greedy_mask=jnp.asarray(greedy), temperatures=jnp.asarray(temperature),
         confidence=confidence,
         path=proposal.PATH_FOLDED_GREEDY if all_greedy else proposal.PATH_FOLDED_SAMPLING)
 

@@ -76,7 +76,9 @@ def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Arr
     v = jnp.tanh(o)
   else:
     raise ValueError(f"kind: expected one of {HEAD_KINDS}, got {kind!r}")
-  bias = jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=_HIGHEST)
+  # float32 weights get full-precision products (no TF32); 16-bit weights stream as they are.
+  precision = _HIGHEST if w2.dtype == jnp.float32 else None
+  bias = jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=precision)
   return bias, e, state
 
 
@@ -170,7 +172,7 @@ def _check_confidence_arrays(arrays: Mapping) -> dict[str, jax.Array]:
     bad = ~np.isfinite(host) | (host <= 0)
     if bad.any():
       row = int(np.flatnonzero(bad)[0])
-      raise ValueError(f"arrays['temperatures']: entry {row} is {host[row]!r}; must be finite, > 0")
+      raise ValueError(f"arrays['temperatures']: entry {row} is {host[row]}; must be finite, > 0")
   return out
 
 

@@ -185,12 +185,15 @@ def check_block_inputs(head: heads_lib.MarkovHead, base_logits, anchor, hidden, 
 
 def block_arrays(params: sp.SamplingParams, anchor, positions) -> dict[str, Any]:
   """The per-row arrays the step function reads, from the sampling params."""
+  def cast(x, dtype):  # host values stay on the host: no device dispatch before the program runs
+    return np.asarray(x, dtype) if isinstance(x, (np.ndarray, list, tuple)) else jnp.asarray(x, dtype)
+
   return {
-      "anchor": jnp.asarray(anchor, jnp.int32),
-      "greedy": jnp.asarray(params.greedy_mask),
-      "temperature": jnp.asarray(params.draft_temperature),
-      "seeds": jnp.asarray(params.seed, jnp.uint32),
-      "positions": jnp.asarray(positions, jnp.int32),
+      "anchor": cast(anchor, np.int32),
+      "greedy": cast(params.greedy_mask, np.bool_),
+      "temperature": cast(params.draft_temperature, np.float32),
+      "seeds": cast(params.seed, np.uint32),
+      "positions": cast(positions, np.int32),
   }
 
 

@@ -45,7 +45,7 @@ def _check_values(name: str, values: np.ndarray) -> np.ndarray:
       bad = ~np.isfinite(values) | (values != np.round(values))
       if bad.any():
         row = _first_bad_row(bad)
-        raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]!r}; must be an integer")
+        raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]}; must be an integer")
     elif values.dtype.kind not in "iub":
       raise ValueError(f"SamplingParams.{name}: expected integers, got dtype {values.dtype}")
     wide = values.astype(np.int64)
@@ -72,7 +72,7 @@ def _check_values(name: str, values: np.ndarray) -> np.ndarray:
     rule = "must be in (0, 1]"
   if bad.any():
     row = _first_bad_row(bad)
-    raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]!r}; {rule}")
+    raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]}; {rule}")
   return values.astype(_HOST_DTYPES[name])
 
 
@@ -190,11 +190,18 @@ class SamplingParams:
     return SamplingParams.tree_unflatten(None, values)
 
 
+def _xp(*values):
+  """NumPy for host values (no device dispatch, nothing to compile), jax.numpy otherwise."""
+  return np if all(isinstance(v, np.ndarray) for v in values) else jnp
+
+
 def greedy_mask(temperature: jax.Array, top_k: jax.Array) -> jax.Array:
   """[B] bool: SPEC §4's greedy rule, ``temperature < 1e-5`` or ``top_k == 1``."""
-  return (jnp.asarray(temperature) < GREEDY_TEMPERATURE) | (jnp.asarray(top_k) == 1)
+  xp = _xp(temperature, top_k)
+  return (xp.asarray(temperature) < GREEDY_TEMPERATURE) | (xp.asarray(top_k) == 1)
 
 
 def draft_temperature(temperature: jax.Array) -> jax.Array:
   """[B] float32: ``max(temperature, 1e-5)``."""
-  return jnp.maximum(jnp.asarray(temperature, jnp.float32), GREEDY_TEMPERATURE)
+  xp = _xp(temperature)
+  return xp.maximum(xp.asarray(temperature, xp.float32), xp.float32(GREEDY_TEMPERATURE))

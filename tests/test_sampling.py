@@ -1,0 +1,153 @@
+"""sample_step: exact per-row laws in mixed batches, greedy rows, key streams, edge cases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dspark_jax as dj
+from dspark_jax import sampling
+from tests import reference, stats
+
+
+def _mixed_pattern(vocab, rng):
+  """Rows of one mixed batch: (temperature, top_k, logits). Greedy rows sit between sampled ones."""
+  rows = [(0.0, 0), (0.3, 0), (1.0, 1), (1.0, 0), (2.0, 0), (1e-6, 50)]
+  logits = [rng.normal(0.0, 1.5, vocab).astype(np.float32) for _ in rows]
+  return rows, np.stack(logits)
+
+
+@pytest.mark.parametrize("vocab,copies", [(7, 40_000), (100, 40_000), (1000, 30_000)])
+def test_sample_step_matches_softmax_in_mixed_batch(vocab, copies):
+  # N = `copies` samples per pattern row (independent seeds). Statistic: Pearson chi-square of the
+  # token counts against softmax(L / T) (bins with expected count < 5 pooled). Threshold p >= 1e-3.
+  rng = np.random.default_rng(vocab)
+  rows, logits = _mixed_pattern(vocab, rng)
+  n_rows = len(rows)
+  temperature = np.tile([t for t, _ in rows], copies)
+  top_k = np.tile([k for _, k in rows], copies)
+  params = dj.SamplingParams(temperature=temperature, top_k=top_k,
+                             seed=np.arange(n_rows * copies) + 17)
+  batch_logits = jnp.asarray(np.tile(logits, (copies, 1)))
+  positions = jnp.full((n_rows * copies,), 5, jnp.int32)
+  tokens = np.asarray(dj.sample_step(batch_logits, params, jax.random.key(vocab), positions))
+  tokens = tokens.reshape(copies, n_rows)
+  for row, (temp, k) in enumerate(rows):
+    counts = np.bincount(tokens[:, row], minlength=vocab)
+    if temp < 1e-5 or k == 1:
+      assert np.all(tokens[:, row] == np.argmax(logits[row])), f"greedy row {row}"
+      continue
+    law = reference.softmax(logits[row] / temp)
+    stats.assert_law(counts, law, what=f"V={vocab} T={temp}")
+    # Power: the same counts must reject the law at a wrong temperature.
+    stats.assert_rejects(counts, reference.softmax(logits[row] / (temp * 1.5)),
+                         what=f"V={vocab} T={temp} vs T*1.5")
+
+
+def test_greedy_rows_take_smallest_index_on_ties():
+  logits = np.zeros((4, 10), np.float32)
+  logits[:, [3, 6]] = 2.0  # two maxima
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 1e-6, 0.5], top_k=[0, 1, 0, 0])
+  tokens = dj.sample_step(jnp.asarray(logits, jnp.bfloat16), params, jax.random.key(0),
+                          jnp.arange(4))
+  assert tokens.dtype == jnp.int32
+  assert tokens[0] == 3 and tokens[1] == 3 and tokens[2] == 3  # the three greedy rows
+  assert tokens[3] in (3, 6) or 0 <= tokens[3] < 10
+
+
+def test_all_negative_infinity_rows_return_token_zero():
+  logits = np.full((4, 16), -np.inf, np.float32)
+  logits[2, 5] = 0.0  # a normal row among them
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 1.0, 2.0])
+  tokens = np.asarray(dj.sample_step(jnp.asarray(logits), params, jax.random.key(3),
+                                     jnp.arange(4)))
+  np.testing.assert_array_equal(tokens, [0, 0, 5, 0])
+
+
+def test_nan_logits_give_valid_token_ids():
+  logits = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
+  logits[0, 9] = np.nan
+  logits[1, :] = np.nan
+  params = dj.SamplingParams(temperature=[1.0, 0.0, 0.7])
+  tokens = np.asarray(dj.sample_step(jnp.asarray(logits), params, jax.random.key(3),
+                                     jnp.arange(3)))
+  assert np.all((tokens >= 0) & (tokens < 32))
+  assert tokens[0] == 9 and tokens[1] == 0  # documented: the first NaN wins the argmax
+
+
+def test_positive_infinity_is_certain():
+  logits = np.zeros((2, 8), np.float32)
+  logits[:, 4] = np.inf
+  tokens = dj.sample_step(jnp.asarray(logits), dj.SamplingParams(temperature=[1.0, 3.0]),
+                          jax.random.key(0), jnp.arange(2))
+  np.testing.assert_array_equal(np.asarray(tokens), [4, 4])
+
+
+def test_request_stream_is_batch_invariant():
+  # A request's token depends only on (key, seed, position): reorder, drop and add rows.
+  rng = np.random.default_rng(1)
+  vocab, batch = 50, 12
+  logits = rng.normal(size=(batch, vocab)).astype(np.float32)
+  temperature = rng.uniform(0.5, 2.0, batch)
+  seeds = rng.integers(0, 2**32, batch, dtype=np.uint64)
+  positions = rng.integers(0, 5000, batch)
+  key = jax.random.key(11)
+
+  def run(idx):
+    return np.asarray(dj.sample_step(jnp.asarray(logits[idx]),
+                                     dj.SamplingParams(temperature=temperature[idx], seed=seeds[idx]),
+                                     key, jnp.asarray(positions[idx])))
+
+  full = run(np.arange(batch))
+  perm = rng.permutation(batch)
+  np.testing.assert_array_equal(run(perm), full[perm])
+  np.testing.assert_array_equal(run(np.arange(3, 9)), full[3:9])
+  np.testing.assert_array_equal(run(np.r_[np.arange(batch), np.arange(batch)]),
+                                np.r_[full, full])
+  # Same request at another position, or with another seed, or another stream: fresh draws.
+  many = np.asarray(dj.sample_step(jnp.asarray(np.repeat(logits[:1], 64, 0)),
+                                   dj.SamplingParams(temperature=np.full(64, 2.0)),
+                                   key, jnp.arange(64)))
+  assert len(set(many.tolist())) > 10
+
+
+def test_streams_are_distinct_and_keys_are_pure():
+  seeds = jnp.arange(4, dtype=jnp.uint32)
+  positions = jnp.full((4,), 9, jnp.int32)
+  key = jax.random.key(5)
+  draft = jax.random.key_data(sampling.row_keys(key, seeds, positions, dj.Stream.DRAFT))
+  again = jax.random.key_data(sampling.row_keys(key, seeds, positions, dj.Stream.DRAFT))
+  bonus = jax.random.key_data(sampling.row_keys(key, seeds, positions, dj.Stream.VERIFY_BONUS))
+  np.testing.assert_array_equal(draft, again)
+  assert not np.any(np.all(np.asarray(draft) == np.asarray(bonus), axis=-1))
+  # A raw uint32 key and the typed key with the same bits give the same streams.
+  raw = jax.random.key_data(key)
+  np.testing.assert_array_equal(
+      draft, jax.random.key_data(sampling.row_keys(raw, seeds, positions, dj.Stream.DRAFT)))
+
+
+def test_noise_is_generated_inside_the_argmax():
+  # No [B, V] float32 noise buffer: XLA's memory analysis of the compiled step must show less
+  # temporary memory than one such buffer (the threefry generator would need several).
+  batch, vocab = 8, 50_000
+  params = dj.SamplingParams(temperature=np.full(batch, 0.9))
+  compiled = sampling._sample_step.lower(
+      jnp.zeros((batch, vocab), jnp.bfloat16), params, jax.random.key(0),
+      jnp.arange(batch), int(dj.Stream.DRAFT)).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < batch * vocab * 4, f"temporaries {temp} B >= a [B, V] f32 buffer"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda L, p, pos: (L[0], p, pos), "logits: expected \\[B, V\\]"),
+    (lambda L, p, pos: (L.astype(jnp.int32), p, pos), "logits: expected a float dtype"),
+    (lambda L, p, pos: (L, dj.SamplingParams(temperature=[1.0]), pos), "params: has 1 rows"),
+    (lambda L, p, pos: (L, p, pos[:1]), "positions: expected shape"),
+    (lambda L, p, pos: (L, p, pos.astype(jnp.float32)), "positions: expected integers"),
+])
+def test_sample_step_rejects_bad_inputs(bad, match):
+  logits = jnp.zeros((2, 5))
+  params = dj.SamplingParams(temperature=[1.0, 0.0])
+  logits, params, positions = bad(logits, params, jnp.arange(2))
+  with pytest.raises(ValueError, match=match):
+    dj.sample_step(logits, params, jax.random.key(0), positions)
