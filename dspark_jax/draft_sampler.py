@@ -51,9 +51,17 @@ def _pad_rows(x, size):
   return np.pad(x, pad) if isinstance(x, np.ndarray) else jnp.pad(x, pad)
 
 
-def _signature(tree) -> tuple:
-  leaves, treedef = jax.tree.flatten(tree)
-  return (treedef, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in leaves))
+def _is_typed_key(key) -> bool:
+  return jax.dtypes.issubdtype(getattr(key, "dtype", np.uint32), jax.dtypes.prng_key)
+
+
+def _signature(greedy_only: bool, args: tuple) -> tuple:
+  """What can change between calls of one sampler: variant, bucket, hidden dtype, key type.
+
+  (The weights, γ, V and the logits dtype are fixed at build time and checked in `propose`.)
+  """
+  base_logits, hidden, key = args[2], args[4], args[9]
+  return (greedy_only, base_logits.shape[0], None if hidden is None else hidden.dtype, key.dtype)
 
 
 @dataclasses.dataclass
@@ -79,6 +87,7 @@ class DraftSampler:
   decision: memory_gate.GateDecision | None = None
   compilations: int = 0
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+  _weights: tuple | None = dataclasses.field(default=None, repr=False)
 
   @property
   def folded_sampling(self) -> bool:
@@ -110,7 +119,7 @@ class DraftSampler:
     )
 
   def _executable(self, greedy_only: bool, args: tuple):
-    signature = (greedy_only, _signature(args))
+    signature = _signature(greedy_only, args)
     compiled = self._compiled.get(signature)
     if compiled is None:
       compiled = proposal.folded_block.lower(*args, kind=self.head.kind,
@@ -163,12 +172,16 @@ class DraftSampler:
     bucket = self.bucket_for(batch)
     rows = proposal.block_arrays(params.padded(bucket), _pad_rows(np.asarray(anchor), bucket),
                                  _pad_rows(np.asarray(positions), bucket))
-    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+    # One transfer for all the small per-row arrays (they also go into the returned block).
+    rows = jax.device_put(rows)
+    if not _is_typed_key(key):
       key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-    args = (self.head.arrays(),
-            None if self.confidence_head is None else self.confidence_head.arrays(),
-            _pad_rows(base_logits, bucket), rows["anchor"], _pad_rows(hidden, bucket),
-            rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], key)
+    if self._weights is None:
+      self._weights = (self.head.arrays(),
+                       None if self.confidence_head is None else self.confidence_head.arrays())
+    args = (*self._weights, _pad_rows(base_logits, bucket), rows["anchor"],
+            _pad_rows(hidden, bucket), rows["greedy"], rows["temperature"], rows["seeds"],
+            rows["positions"], key)
     tokens, corrected, confidence = self._executable(all_greedy, args)(*args)
     greedy, temperature = rows["greedy"], rows["temperature"]
     if bucket != batch:
@@ -177,7 +190,7 @@ class DraftSampler:
       confidence = None if confidence is None else confidence[:batch]
     return proposal.DraftBlock(
         tokens=tokens, corrected_logits=None if all_greedy else corrected,
-        greedy_mask=jnp.asarray(greedy), temperatures=jnp.asarray(temperature),
+        greedy_mask=greedy, temperatures=temperature,
         confidence=confidence,
         path=proposal.PATH_FOLDED_GREEDY if all_greedy else proposal.PATH_FOLDED_SAMPLING)
 

@@ -118,8 +118,12 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "greedy_only"))
-def _eager_step(head_params, conf_params, k, prev, state, base_k, hidden_k, greedy, temperature,
+def _eager_step(head_params, conf_params, k, prev, state, base_logits, hidden, greedy, temperature,
                 seeds, positions, key, *, kind, greedy_only):
+  # Slicing inside the compiled step saves two host dispatches per step.
+  base_k = jax.lax.dynamic_index_in_dim(base_logits, k, axis=1, keepdims=False)
+  hidden_k = (None if hidden is None
+              else jax.lax.dynamic_index_in_dim(hidden, k, axis=1, keepdims=False))
   return _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
                      greedy, temperature, seeds, positions, key)
 
@@ -132,9 +136,8 @@ def eager_block(head_params, conf_params, base_logits, anchor, hidden, greedy, t
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   tokens, corrected, confidence = [], [], []
   for k in range(gamma):
-    hidden_k = None if hidden is None else hidden[:, k]
     prev, state, corrected_k, confidence_k = _eager_step(
-        head_params, conf_params, jnp.int32(k), prev, state, base_logits[:, k], hidden_k, greedy,
+        head_params, conf_params, np.int32(k), prev, state, base_logits, hidden, greedy,
         temperature, seeds, positions, key, kind=kind, greedy_only=greedy_only)
     tokens.append(prev)
     corrected.append(corrected_k)
