@@ -81,6 +81,50 @@ def gumbel_scores(logits: jax.Array, temperature: jax.Array, keys: jax.Array) ->
   return logits.astype(jnp.float32) / temperature[:, None] + noise
 
 
+def _chunk_size(vocab: int, limit: int = 2048) -> int:
+  """The largest divisor of `vocab` that is <= `limit` (1 if `vocab` has none above 1)."""
+  for size in range(min(vocab, limit), 0, -1):
+    if vocab % size == 0:
+      return size
+  return 1
+
+
+def _first_max(a, b):
+  """Reducer over (value, index) pairs: the larger value; on ties the smaller index; NaN beats all."""
+  (a_val, a_idx), (b_val, b_idx) = a, b
+  a_nan, b_nan = jnp.isnan(a_val), jnp.isnan(b_val)
+  earlier = a_idx < b_idx
+  take_a = jnp.where(a_nan | b_nan, a_nan & (~b_nan | earlier),
+                     (a_val > b_val) | ((a_val == b_val) & earlier))
+  return jnp.where(take_a, a_val, b_val), jnp.where(take_a, a_idx, b_idx)
+
+
+def _reduce_first_max(values, indices, axis):
+  init = (jnp.array(-jnp.inf, values.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
+  return jax.lax.reduce((values, indices), init, _first_max, (axis,))
+
+
+def argmax_last(scores: jax.Array) -> jax.Array:
+  """[B] int32 argmax over the last axis of [B, V] `scores`; ties -> smallest index, NaN wins.
+
+  Done in two stages over a [B, V / c, c] view, with c the largest divisor of V up to 2048: each
+  stage is one (value, index) reduction, so XLA fuses the producer of `scores` (the Gumbel noise
+  included) into the first stage without padding V, where a one-stage argmax over an awkward V (e.g.
+  151936) makes it materialise a padded [B, V] float32 copy of the scores. The result equals
+  ``jnp.argmax(scores, -1)`` exactly, ties and NaNs included.
+  """
+  batch, vocab = scores.shape
+  chunk = _chunk_size(vocab)
+  if chunk in (1, vocab):
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  shape = (batch, vocab // chunk, chunk)
+  flat_index = (jax.lax.broadcasted_iota(jnp.int32, shape, 1) * chunk
+                + jax.lax.broadcasted_iota(jnp.int32, shape, 2))
+  values, indices = _reduce_first_max(scores.reshape(shape), flat_index, 2)   # [B, V/c]
+  _, index = _reduce_first_max(values, indices, 1)                            # [B]
+  return index
+
+
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, keys: jax.Array
                   ) -> jax.Array:
   """Samples one token per row of a mixed batch. Pure and jittable; no input checks.
@@ -96,12 +140,12 @@ def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, 
   """
   scores = jnp.where(greedy[:, None], logits.astype(jnp.float32),
                      gumbel_scores(logits, temperature, keys))
-  return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  return argmax_last(scores)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
   """[B] int32 ``argmax`` over the last axis (ties -> smallest index)."""
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return argmax_last(logits)
 
 
 @functools.partial(jax.jit, static_argnames=("stream",))

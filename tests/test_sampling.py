@@ -151,3 +151,14 @@ def test_sample_step_rejects_bad_inputs(bad, match):
   logits, params, positions = bad(logits, params, jnp.arange(2))
   with pytest.raises(ValueError, match=match):
     dj.sample_step(logits, params, jax.random.key(0), positions)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 4096, 151936 // 16, 2 * 1187])
+def test_two_stage_argmax_equals_argmax_with_ties_and_nans(vocab):
+  rng = np.random.default_rng(vocab)
+  scores = rng.integers(-3, 3, size=(6, vocab)).astype(np.float32)  # many exact ties
+  scores[1] = -np.inf
+  scores[2, vocab // 2] = np.nan
+  scores[3, -1] = np.nan
+  got = np.asarray(sampling.argmax_last(jnp.asarray(scores)))
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(scores), axis=-1)))
