@@ -15,8 +15,8 @@ the step's base logits and write the corrected logits, so
 ``floor = γ·(r·V + 2·B·V)·itemsize / bandwidth``, with the bandwidth measured here by a large
 device-to-device copy (``x + 1``: read + write). Per shape it also checks that the folded tokens
 equal the eager ones, and reads XLA's memory analysis of the sampling variant: a temporary area of
-at least B·V·4 bytes would mean a materialised [B, V] float32 noise buffer ("noise buf?"). That
-test is coarse (weight upcasts and the [B, V] float32 bias also live there), so the table also
+at least B·V·4 bytes more than the greedy-only one needs flags a materialised [B, V] float32 noise or
+score buffer ("noise buf?"; the raw temporary area is coarse: weight upcasts and the [B, V] float32 bias live there too). The table
 shows how much temporary memory the sampling variant needs beyond the greedy-only one
 ("Δgreedy MiB"), which draws no noise at all. The floor only means something on a GPU: on CPU the
 bf16 copy is compute-bound.
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
   bandwidth, copy_bytes = copy_bandwidth(device.platform, args.repeats, args.warmup)
   meta.update(copy_bandwidth_gbs=bandwidth / 1e9, copy_array_bytes=copy_bytes)
   report.line(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s "
-              f"(x + 1 on {copy_bytes / MiB:.0f} MiB bf16, read + write counted)")
+              f"(best of bf16 x+1, u32 x^c, f32 x*2 on {copy_bytes / MiB:.0f} MiB, read + write counted)")
 
   results = []
   for vocab in args.vocab:

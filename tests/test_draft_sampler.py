@@ -65,11 +65,10 @@ def test_every_path_gives_the_same_block():
   eager = _build(mode="off").propose(**inputs)
   reference = dj.sample_block(_build().head, **inputs, confidence_head=_build().confidence_head)
   for block in (eager, reference):
-    np.testing.assert_array_equal(folded.tokens, block.tokens)
-    np.testing.assert_array_equal(folded.corrected_logits, block.corrected_logits)
+    helpers.assert_same_block(folded, block, fields=("tokens", "corrected_logits"))
     # The folded call ran padded to bucket 8: a [8, H] product may round its last bit differently
     # from a [6, H] one. Confidence is a float output, so equal to float32 rounding is the contract.
-    np.testing.assert_allclose(folded.confidence, block.confidence, rtol=1e-6)
+    np.testing.assert_allclose(folded.confidence, block.confidence, rtol=1e-5)
   np.testing.assert_array_equal(folded.greedy_mask, np.arange(6) % 2 == 0)
 
 
@@ -82,11 +81,12 @@ def test_padding_never_changes_a_row():
                                   (dj.SamplingParams(temperature=v.temperature[:batch],
                                                      seed=v.seed[:batch]) if k == "params"
                                    else v[:batch])) for k, v in inputs.items()})
-    np.testing.assert_array_equal(part.tokens, full.tokens[:batch])
     if batch == 1:  # row 0 is greedy: the all-greedy path, which emits no corrected logits
       assert part.path == "folded-greedy"
+      np.testing.assert_array_equal(part.tokens, full.tokens[:1])
       continue
-    np.testing.assert_array_equal(part.corrected_logits, full.corrected_logits[:batch])
+    head = jax.tree.map(lambda x: x[:batch], full)
+    helpers.assert_same_block(part, head, fields=("tokens", "corrected_logits"))
 
 
 def test_steady_state_never_recompiles():

@@ -126,6 +126,9 @@ def test_streams_are_distinct_and_keys_are_pure():
       draft, jax.random.key_data(sampling.row_keys(raw, seeds, positions, dj.Stream.DRAFT)))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="XLA:GPU's fusion choice varies with shape; scripts/bench_sampler.py "
+                           "reports it per benchmark shape")
 def test_noise_is_generated_inside_the_argmax():
   # No [B, V] float32 noise buffer: XLA's memory analysis of the compiled step must show less
   # temporary memory than one such buffer (the threefry generator would need several).
