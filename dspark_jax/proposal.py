@@ -60,6 +60,14 @@ class DraftBlock:
   path: str = struct.field(pytree_node=False, default=PATH_FOLDED_SAMPLING)
 
 
+def _round_to(x: jax.Array, dtype) -> jax.Array:
+  """float32 `x` rounded (to nearest even) to the values of a narrower float `dtype`, kept in f32."""
+  if jnp.dtype(dtype).itemsize >= 4:
+    return x
+  info = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
                 greedy, temperature, seeds, positions, key):
   """One position of the block: bias, correct, round to the logits dtype, sample, confidence.
@@ -67,12 +75,16 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
   Returns ``(tokens [B] int32, new_state [B, r], corrected [B, V] logits dtype, confidence [B] | None)``.
   """
   bias, e, state = heads_lib.markov_step(kind, head_params, prev, hidden_k, state)
-  corrected = (base_k.astype(jnp.float32) + bias).astype(base_k.dtype)
+  # Round to the logits dtype *before* sampling, so the tokens come from exactly the values we emit.
+  # reduce_precision rather than a convert pair: XLA (allowing excess precision, its default on GPU)
+  # may delete convert(convert(x, bf16), f32) and sample from the unrounded float32 sum.
+  rounded = _round_to(base_k.astype(jnp.float32) + bias, base_k.dtype)
+  corrected = rounded.astype(base_k.dtype)  # exact: `rounded` is representable
   if greedy_only:
-    tokens = sampling.greedy_tokens(corrected)
+    tokens = sampling.greedy_tokens(rounded)
   else:
     keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
-    tokens = sampling.sample_tokens(corrected, greedy, temperature, keys)
+    tokens = sampling.sample_tokens(rounded, greedy, temperature, keys)
   confidence = None
   if conf_params is not None:
     confidence = heads_lib.confidence_step(conf_params, hidden_k, e, k)

@@ -55,4 +55,3 @@ def assert_same_block(a, b, *, fields=("tokens", "corrected_logits", "greedy_mas
   np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-6)
   same = np.all(x == y, axis=(1, 2))
   np.testing.assert_array_equal(np.asarray(a.tokens)[same], np.asarray(b.tokens)[same])
-  assert same.mean() >= 0.5, f"only {same.mean():.0%} of rows bit-identical"

@@ -78,15 +78,21 @@ def test_folded_equals_eager_bit_for_bit(kind, dtype):
   np.testing.assert_array_equal(np.asarray(greedy_only.tokens)[mask], np.asarray(folded.tokens)[mask])
 
 
-def test_block_step_k_is_sample_step_at_position_plus_k():
-  # Draft token k of a row is what sample_step draws from L_k at position anchor_pos + k.
-  batch, gamma, vocab = 4, 3, 64
-  head = helpers.make_head("vanilla", vocab, 8, 0)
-  base = jax.random.normal(jax.random.key(0), (batch, gamma, vocab))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_block_step_k_is_sample_step_at_position_plus_k(kind, dtype):
+  # Draft token k of a row is what sample_step draws from the *emitted* L_k at position
+  # anchor_pos + k: the tokens come from exactly the rounded logits the verifier will see.
+  batch, gamma, vocab, hidden = 4, 3, 64, 5
+  head = dj.markov_head_from_arrays(
+      kind, {k: jnp.asarray(v, dtype) for k, v in helpers.head_arrays(kind, vocab, 8, hidden).items()})
+  base = jax.random.normal(jax.random.key(0), (batch, gamma, vocab)).astype(dtype)
+  h = jnp.ones((batch, gamma, hidden), dtype)
   params = dj.SamplingParams(temperature=[1.0, 0.0, 0.6, 1.4], seed=[10, 20, 30, 40])
   positions = jnp.array([5, 0, 123, 9])
   key = jax.random.key(77)
-  block = dj.sample_block(head, base, jnp.zeros(batch, jnp.int32), None, params, key, positions)
+  block = dj.sample_block(head, base, jnp.zeros(batch, jnp.int32), h, params, key, positions)
+  assert block.corrected_logits.dtype == dtype
   for k in range(gamma):
     step = dj.sample_step(block.corrected_logits[:, k], params, key, positions + k + 1)
     np.testing.assert_array_equal(np.asarray(step), np.asarray(block.tokens[:, k]))
