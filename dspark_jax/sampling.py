@@ -42,6 +42,7 @@ class Stream(enum.IntEnum):
   DRAFT = 0          # draft block sampling (one draw per drafted position)
   VERIFY_ACCEPT = 1  # the verifier's accept/reject uniforms
   VERIFY_BONUS = 2   # the verifier's bonus/residual token
+  TARGET = 3         # plain autoregressive sampling from the target (the baseline)
 
 
 def row_keys(key: jax.Array, seeds: jax.Array, positions: jax.Array, stream: int | jax.Array
@@ -164,6 +165,18 @@ def check_batch(name: str, value, batch: int, *, integer: bool = True) -> None:
     raise ValueError(f"{name}: expected integers, got dtype {dtype}")
 
 
+def check_logits(logits, params: sp.SamplingParams) -> None:
+  """Raises ValueError unless `logits` is a float [B, V] array and `params` has B rows."""
+  if np.ndim(logits) != 2:
+    raise ValueError(f"logits: expected [B, V], got shape {np.shape(logits)}")
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"logits: expected a float dtype, got {logits.dtype}")
+  if not isinstance(params, sp.SamplingParams):
+    raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+  if params.batch_size != logits.shape[0]:
+    raise ValueError(f"params: has {params.batch_size} rows but logits has {logits.shape[0]}")
+
+
 def sample_step(logits: jax.Array, params: sp.SamplingParams, key: jax.Array, positions: jax.Array,
                 *, stream: int = Stream.DRAFT) -> jax.Array:
   """Samples one token per row of a mixed greedy/sampled batch in one compiled program.
@@ -186,12 +199,6 @@ def sample_step(logits: jax.Array, params: sp.SamplingParams, key: jax.Array, po
   Raises:
     ValueError: wrong ranks or batch sizes, non-float logits, non-integer positions.
   """
-  if np.ndim(logits) != 2:
-    raise ValueError(f"logits: expected [B, V], got shape {np.shape(logits)}")
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"logits: expected a float dtype, got {logits.dtype}")
-  batch = logits.shape[0]
-  if params.batch_size != batch:
-    raise ValueError(f"params: has {params.batch_size} rows but logits has {batch}")
-  check_batch("positions", positions, batch)
+  check_logits(logits, params)
+  check_batch("positions", positions, logits.shape[0])
   return _sample_step(logits, params, key, jnp.asarray(positions), int(stream))

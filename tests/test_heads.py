@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from tests import helpers, reference
+from dspark_jax import law_checks as reference
+from tests import helpers
 
 KINDS = ("vanilla", "gated", "rnn")
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from tests import helpers, reference, stats
+from dspark_jax import law_checks as reference
+from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
+from dspark_jax import law_checks as reference
 from dspark_jax import sampling
-from tests import reference, stats
+from tests import stats
 
 
 def _mixed_pattern(vocab, rng):
