@@ -1,0 +1,420 @@
+"""Speculative decoding with a DSpark draft, and the autoregressive baseline, as compiled loops.
+
+This module owns `generate`: prompts in, tokens and decoding statistics out.
+
+* **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
+  target once; the first new token is sampled from the target at each row's last prompt position
+  (`target_law`, stream `Stream.TARGET`), and the draft's context cache is filled from the prompt's
+  target features.
+* **Rounds** (`spec=True`), all inside one `lax.while_loop`: the draft forward gives base logits and
+  hidden states; the folded block sampler (`proposal.folded_block`) drafts γ tokens; the target runs
+  ``[anchor, x_1..x_γ]`` at positions ``anchor_pos..anchor_pos+γ``; `verification.verify_arrays`
+  accepts a prefix and a bonus; the committed tokens are appended (up to ``max_new_tokens``); the
+  target features of those positions extend the draft's context. Rejected positions need no cache
+  rollback: both caches are indexed by absolute position and every read is masked to positions
+  before the reader, so stale entries are overwritten before anything can see them. Finished rows
+  stop committing and stop advancing.
+* **Routing** follows SPEC §5 at the batch level: an all-greedy batch runs the greedy-only variant; a
+  batch with sampled rows runs the folded sampling variant if the memory gate (`memory_gate`) allows
+  it, else the *eager* fallback, which drives the same round from Python (one host sync per round,
+  the block sampled step by step by `proposal.eager_block`).
+* **Baseline** (`spec=False`): plain autoregressive decoding with the same target, sampler, buckets
+  and stop rules, one token per loop iteration.
+
+Shapes are bucketed (batch, prompt length and ``max_new_tokens`` rounded up to powers of two) and each
+bucket's program is compiled ahead of time once per process, so calls in the same buckets never
+recompile. Randomness: every draw is a function of (key, seed, absolute position, stream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import draft_model as dm
+from dspark_jax import layers
+from dspark_jax import memory_gate
+from dspark_jax import proposal
+from dspark_jax import sampling
+from dspark_jax import sampling_params as sp
+from dspark_jax import target_law
+from dspark_jax import target_model as tm
+from dspark_jax import verification
+
+PATH_AUTOREGRESSIVE = "autoregressive"
+MIN_BUCKET = 8
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  """The outcome of `generate`.
+
+  Attributes:
+    tokens: [B, max_new_tokens] int32 generated tokens, -1 after each row's end.
+    lengths: [B] number of generated tokens per row.
+    finished: [B] bool, the row ended on a stop token.
+    rounds: loop iterations (speculative rounds, or autoregressive steps) after the prefill.
+    tau: mean tokens per round per active row, accepted drafts + bonus (SPEC's τ); 1 for the baseline.
+    acceptance: [γ] conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), over active
+      rows and rounds (empty for the baseline).
+    path: "folded-sampling", "folded-greedy", "eager" or "autoregressive".
+    wall_seconds: execution time of the decode (compilation excluded; includes the final sync).
+    compile_seconds: time spent compiling in this call (0 when every program was cached).
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  finished: np.ndarray
+  rounds: int
+  tau: float
+  acceptance: np.ndarray
+  path: str
+  wall_seconds: float
+  compile_seconds: float
+
+  @property
+  def tokens_per_second(self) -> float:
+    return float(self.lengths.sum()) / max(self.wall_seconds, 1e-12)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """The padding bucket of `n`: the smallest power of two >= max(n, minimum)."""
+  size = 1
+  while size < max(n, minimum):
+    size *= 2
+  return size
+
+
+# ---- the pieces of a round (pure; called inside the compiled programs) -------------------------------
+
+
+def _row_arrays(params: sp.SamplingParams) -> dict[str, Any]:
+  return {"greedy": np.asarray(params.greedy_mask, bool),
+          "temperature": np.asarray(params.draft_temperature, np.float32),
+          "top_k": np.asarray(params.top_k, np.int32), "top_p": np.asarray(params.top_p, np.float32),
+          "seeds": np.asarray(params.seed, np.uint32)}
+
+
+def _is_stop(tokens, stop_ids):
+  """[B] bool: `tokens` [B] is one of its row's stop ids [B, S]."""
+  return jnp.any(tokens[:, None] == stop_ids, axis=1) & (tokens >= 0)
+
+
+def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len):
+  """Runs the prompts, samples the first token, builds the initial loop state."""
+  batch, prompt_len = prompt.shape
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  cache = tm.init_cache(target.config, batch, cache_len)
+  logits, features, cache = target(prompt, positions, cache)
+  last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  keys = sampling.row_keys(key, rows["seeds"], prompt_lens, sampling.Stream.TARGET)
+  first = target_law.sample_target_tokens(last, rows["greedy"], rows["temperature"], rows["top_k"],
+                                          rows["top_p"], keys)
+  count = jnp.minimum(max_new, 1)
+  stopped = (count > 0) & _is_stop(first, stop_ids)
+  state = {
+      "cache": cache, "anchor": first, "anchor_pos": prompt_lens,
+      "out": jnp.full((batch, out_len), -1, jnp.int32).at[:, 0].set(first),
+      "count": count, "finished": stopped, "done": stopped | (count >= max_new),
+      "rounds": jnp.int32(0),
+  }
+  if draft is not None:
+    gamma = draft.config.gamma
+    state["context"] = draft.extend_context(features, positions, draft.init_context(batch, cache_len))
+    state["reached"] = jnp.zeros((gamma,), jnp.float32)
+    state["accepted"] = jnp.zeros((gamma,), jnp.float32)
+    state["tau_sum"] = jnp.float32(0)
+    state["active_rounds"] = jnp.float32(0)
+  return state
+
+
+def _autoregressive_step(target, state, max_new, rows, stop_ids, key):
+  logits, _, cache = target(state["anchor"][:, None], state["anchor_pos"][:, None], state["cache"])
+  keys = sampling.row_keys(key, rows["seeds"], state["anchor_pos"] + 1, sampling.Stream.TARGET)
+  token = target_law.sample_target_tokens(logits[:, 0], rows["greedy"], rows["temperature"],
+                                          rows["top_k"], rows["top_p"], keys)
+  active = ~state["done"]
+  out = layers.write_rows(state["out"], token[:, None], state["count"])
+  count = state["count"] + active
+  stopped = active & _is_stop(token, stop_ids)
+  return dict(state, cache=cache, out=out, count=count, finished=state["finished"] | stopped,
+              done=state["done"] | stopped | (count >= max_new),
+              anchor=jnp.where(active, token, state["anchor"]),
+              anchor_pos=state["anchor_pos"] + active, rounds=state["rounds"] + 1)
+
+
+def _draft_forward(target, draft, state):
+  return draft(target, state["anchor"], state["anchor_pos"], state["context"])
+
+
+def _draft_inputs(draft, hidden):
+  """Head weights and the hidden states the heads read (None when no head reads them)."""
+  conf = None if draft.confidence is None else draft.confidence.arrays()
+  needs_hidden = draft.head.needs_hidden or conf is not None
+  return draft.head.arrays(), conf, hidden if needs_hidden else None
+
+
+def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
+                    greedy_only):
+  """Verify the drafted block with the target, commit, extend the draft context, update stats."""
+  gamma = tokens.shape[1]
+  anchor, anchor_pos = state["anchor"], state["anchor_pos"]
+  verify_in = jnp.concatenate([anchor[:, None], tokens], axis=1)
+  positions = anchor_pos[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+  logits, features, cache = target(verify_in, positions, state["cache"])
+  full = jnp.full(anchor.shape, gamma + 1, jnp.int32)
+  result = verification.verify_arrays(
+      logits, tokens, corrected, rows["temperature"], rows["greedy"], rows["temperature"],
+      rows["top_k"], rows["top_p"], rows["seeds"], anchor_pos, full, stop_ids, key,
+      greedy_only=greedy_only)
+  active = ~state["done"]
+  taken = jnp.where(active, jnp.minimum(result.num_committed, max_new - state["count"]), 0)
+  # Writes all γ+1 slots; those past `taken` are overwritten later or cut off at the end.
+  out = layers.write_rows(state["out"], result.committed, state["count"])
+  count = state["count"] + taken
+  stopped = active & result.finished & (result.num_committed <= taken)
+  last = jnp.take_along_axis(result.committed, (result.num_committed - 1)[:, None], axis=1)[:, 0]
+  k = jnp.arange(gamma)[None, :]
+  reached = active[:, None] & (result.accept_len[:, None] >= k)
+  accepted = active[:, None] & (result.accept_len[:, None] >= k + 1)
+  return dict(
+      state, cache=cache, out=out, count=count, finished=state["finished"] | stopped,
+      done=state["done"] | stopped | (count >= max_new),
+      anchor=jnp.where(active, last, anchor),
+      anchor_pos=anchor_pos + jnp.where(active, result.num_committed, 0),
+      context=draft.extend_context(features, positions, state["context"]),
+      rounds=state["rounds"] + 1,
+      reached=state["reached"] + reached.sum(0), accepted=state["accepted"] + accepted.sum(0),
+      tau_sum=state["tau_sum"] + jnp.sum(jnp.where(active, result.accept_len + 1, 0)),
+      active_rounds=state["active_rounds"] + jnp.sum(active))
+
+
+def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only):
+  base, hidden = _draft_forward(target, draft, state)
+  head, conf, hidden = _draft_inputs(draft, hidden)
+  tokens, corrected, _ = proposal.folded_block(
+      head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"], rows["seeds"],
+      state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only)
+  return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
+                         greedy_only)
+
+
+def _finish(state, out_len):
+  cols = jnp.arange(out_len)[None, :]
+  state = dict(state)
+  state["out"] = jnp.where(cols < state["count"][:, None], state["out"], -1)
+  state.pop("cache", None)
+  state.pop("context", None)
+  return state
+
+
+def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
+                    target_def, draft_def, path, cache_len, out_len):
+  """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
+  target = nnx.merge(target_def, target_state)
+  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  state = _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len,
+                   out_len)
+  if path == PATH_AUTOREGRESSIVE:
+    step = functools.partial(_autoregressive_step, target)
+  else:
+    step = functools.partial(_speculative_round, target, draft,
+                             greedy_only=path == proposal.PATH_FOLDED_GREEDY)
+  limit = out_len  # every iteration commits at least one token per active row
+  state = jax.lax.while_loop(
+      lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit),
+      lambda s: step(s, max_new, rows, stop_ids, key), state)
+  return _finish(state, out_len)
+
+
+# ---- the eager fallback: the same round driven from Python -------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "cache_len", "out_len"))
+def _eager_prefill(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
+                   target_def, draft_def, cache_len, out_len):
+  return _prefill(nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state), prompt,
+                  prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
+def _eager_draft(target_state, draft_state, state, *, target_def, draft_def):
+  target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+  base, hidden = _draft_forward(target, draft, state)
+  head, conf, hidden = _draft_inputs(draft, hidden)
+  return base, hidden, head, conf
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
+def _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows, stop_ids, key, *,
+                  target_def, draft_def):
+  target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+  return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key, False)
+
+
+def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len):
+  prompt, prompt_lens, max_new, rows, stop_ids, key = args
+  defs = dict(target_def=target_def, draft_def=draft_def)
+  state = _eager_prefill(target_state, draft_state, *args, cache_len=cache_len, out_len=out_len,
+                         **defs)
+  while not bool(jnp.all(state["done"])) and int(state["rounds"]) < out_len:
+    base, hidden, head, conf = _eager_draft(target_state, draft_state, state, **defs)
+    tokens, corrected, _ = proposal.eager_block(
+        head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"],
+        rows["seeds"], state["anchor_pos"], key, kind=kind)
+    state = _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows,
+                          stop_ids, key, **defs)
+  return jax.jit(_finish, static_argnums=1)(state, out_len)
+
+
+# ---- the public entry point -----------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+"""Compiled decode programs of this process, keyed by everything that fixes their shape."""
+
+
+def compiled_programs() -> int:
+  """How many decode programs this process has compiled (for compile guards)."""
+  return len(_COMPILED)
+
+
+def _prepare_prompts(prompts, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+    rows = [np.asarray(p) for p in np.asarray(prompts)]
+  elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+    rows = [np.asarray(p) for p in prompts]
+  else:
+    raise ValueError("prompts: expected a sequence of token-id sequences or a [B, T] array")
+  if not rows:
+    raise ValueError("prompts: empty batch")
+  for i, row in enumerate(rows):
+    if row.ndim != 1 or row.size == 0:
+      raise ValueError(f"prompts: row {i} must be a non-empty 1-D token sequence, got shape "
+                       f"{row.shape}")
+    if row.dtype.kind not in "iu":
+      raise ValueError(f"prompts: row {i} has dtype {row.dtype}; expected integer token ids")
+    bad = (row < 0) | (row >= vocab)
+    if bad.any():
+      j = int(np.flatnonzero(bad)[0])
+      raise ValueError(f"prompts: row {i} token {j} is {row[j]}; must be in [0, {vocab})")
+  lens = np.array([r.size for r in rows], np.int32)
+  padded = np.zeros((len(rows), bucket(int(lens.max()), MIN_BUCKET)), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, :row.size] = row
+  return padded, lens
+
+
+def _choose_path(spec, params, draft, batch, vocab, mode, memory_stats, headroom_bytes):
+  if not spec:
+    return PATH_AUTOREGRESSIVE, None
+  if params.all_greedy():
+    return proposal.PATH_FOLDED_GREEDY, None
+  mode = memory_gate.resolve_mode(mode)
+  need = memory_gate.sampling_need_bytes(batch, vocab, draft.config.gamma, draft.config.dtype)
+  free, source = memory_gate.probe_free_bytes(memory_stats)
+  enabled, reason = memory_gate.decide(mode, need, free, headroom_bytes, source)
+  if not enabled and mode is memory_gate.FoldedSampling.AUTO:
+    memory_gate.logger.warning("dspark_jax: folded sampling disabled; %s", reason)
+  return (proposal.PATH_FOLDED_SAMPLING if enabled else proposal.PATH_EAGER), reason
+
+
+def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, params: sp.SamplingParams,
+             key: jax.Array, *, max_new_tokens: int | Sequence[int] = 32,
+             stop_token_ids: Sequence[int] | np.ndarray = (), spec: bool = True,
+             mode: memory_gate.FoldedSampling | str | None = None, memory_stats=None,
+             headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES) -> GenerateResult:
+  """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
+
+  Args:
+    target: the target model.
+    draft: the DSpark draft (its config must match the target); may be None when ``spec=False``.
+    prompts: B token-id sequences of any lengths >= 1, or a [B, T] integer array.
+    params: `SamplingParams` with B rows (greedy and sampled rows may mix).
+    key: base PRNG key.
+    max_new_tokens: per-row budget (an int, or B ints >= 0).
+    stop_token_ids: shared stop ids, or per row as a [B, S] array padded with -1.
+    spec: speculative decoding (default) or the autoregressive baseline.
+    mode, memory_stats, headroom_bytes: the memory gate for the folded sampling variant
+      (`memory_gate`; used only when the batch has sampled rows).
+
+  Returns:
+    A `GenerateResult`.
+
+  Raises:
+    ValueError: bad prompts (naming the row and token), a draft that does not fit the target, a
+      missing draft, params or budgets of the wrong size.
+  """
+  vocab = target.config.vocab_size
+  if spec:
+    if draft is None:
+      raise ValueError("draft: required for speculative decoding (pass spec=False for the baseline)")
+    draft.config.check_against(target.config)
+  prompt, prompt_lens = _prepare_prompts(prompts, vocab)
+  batch = prompt.shape[0]
+  if not isinstance(params, sp.SamplingParams):
+    raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+  if params.batch_size != batch:
+    raise ValueError(f"params: has {params.batch_size} rows but there are {batch} prompts")
+  max_new = np.broadcast_to(np.asarray(max_new_tokens), (batch,))
+  if max_new.dtype.kind not in "iu" or (max_new < 0).any():
+    raise ValueError(f"max_new_tokens: expected integers >= 0, got {max_new_tokens!r}")
+  stop_ids = verification.stop_id_array(stop_token_ids, batch, vocab)
+
+  padded_batch = bucket(batch)
+  path, _ = _choose_path(spec, params, draft, padded_batch, vocab, mode, memory_stats,
+                         headroom_bytes)
+  gamma = draft.config.gamma if spec else 0
+  out_len = bucket(int(max_new.max()), MIN_BUCKET) + gamma + 1
+  cache_len = prompt.shape[1] + out_len + gamma + 1
+  extra = padded_batch - batch
+  args = (np.pad(prompt, ((0, extra), (0, 0))),
+          np.concatenate([prompt_lens, np.ones(extra, np.int32)]),
+          np.concatenate([max_new.astype(np.int32), np.zeros(extra, np.int32)]),
+          _row_arrays(params.padded(padded_batch)),
+          np.pad(stop_ids, ((0, extra), (0, 0)), constant_values=-1), key)
+  args = jax.device_put(args)
+  target_def, target_state = nnx.split(target)
+  draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
+
+  compile_seconds = 0.0
+  start = time.perf_counter()
+  if path == proposal.PATH_EAGER:
+    state = _run_eager(target_state, draft_state, args, target_def=target_def, draft_def=draft_def,
+                       kind=draft.head.kind, cache_len=cache_len, out_len=out_len)
+  else:
+    statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
+                   out_len=out_len)
+    shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))),
+                          (target_state, draft_state, args))
+    signature = (str(jax.tree_util.tree_structure(shapes)), str(jax.tree.leaves(shapes)),
+                 tuple(statics.items()))
+    program = _COMPILED.get(signature)
+    if program is None:
+      program = jax.jit(_decode_program, static_argnames=tuple(statics)).lower(
+          target_state, draft_state, *args, **statics).compile()
+      _COMPILED[signature] = program
+      compile_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+    state = program(target_state, draft_state, *args)
+  state = jax.device_get(state)
+  wall = time.perf_counter() - start
+
+  tokens = np.asarray(state["out"])[:batch, :int(max_new.max()) if batch else 0]
+  lengths = np.asarray(state["count"])[:batch]
+  if spec:
+    tau = float(state["tau_sum"]) / max(float(state["active_rounds"]), 1.0)
+    acceptance = np.asarray(state["accepted"]) / np.maximum(np.asarray(state["reached"]), 1.0)
+  else:
+    tau, acceptance = 1.0, np.zeros((0,))
+  return GenerateResult(tokens=tokens.astype(np.int32), lengths=lengths,
+                        finished=np.asarray(state["finished"])[:batch], rounds=int(state["rounds"]),
+                        tau=tau, acceptance=acceptance, path=path, wall_seconds=wall,
+                        compile_seconds=compile_seconds)

@@ -1,0 +1,168 @@
+"""The DSpark draft (SPEC §2-3): a parallel block backbone over target context, plus its heads.
+
+This module owns the draft model, as flax nnx modules:
+
+* **Context.** Hidden states of the configured target layers (`DraftConfig.target_layer_ids`,
+  concatenated on the feature axis) go through ``fc`` (no bias) and an RMSNorm, then through each draft
+  layer's own k/v projections (with k-norm and RoPE at the context positions). These context keys and
+  values are cached per draft layer by absolute position (`DSparkDraft.extend_context`); only slots
+  before the current anchor are ever attended to, so entries of rejected positions need no rollback.
+* **Block.** The input is the target's (frozen, shared) embedding of ``[anchor, MASK, ..., MASK]``
+  (γ tokens) at positions ``anchor_pos .. anchor_pos + γ - 1``. Each draft layer is a Qwen3 layer whose
+  queries come from the block and whose keys/values are ``[context; block]``: the block sees every
+  context position before the anchor and itself bidirectionally.
+* **Output.** Final RMSNorm, then the target's (frozen, shared) LM head: base logits U [B, γ, V] (row k
+  predicts draft token k + 1) and the hidden states h [B, γ, E] that the gated/rnn sequential heads and
+  the confidence head read.
+* **Heads.** The sequential head (`heads.MarkovHead`, any kind) and optionally the confidence head;
+  block sampling itself belongs to `proposal`.
+
+The draft does not own the embedding or the LM head: every call takes the `TargetModel` whose weights
+it shares, and reads them through ``stop_gradient``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax import heads
+from dspark_jax import layers
+from dspark_jax import target_model as tm
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+  """Sizes and choices of a DSpark draft.
+
+  Attributes:
+    gamma: block size γ (drafts per round).
+    num_layers: draft decoder layers.
+    target_layer_ids: target layers read as context (-1 = embedding output); the target must be
+      built with these as its `TargetConfig.feature_layers`.
+    mask_token_id: the reserved id filling the block after the anchor (< V).
+    head_kind: "vanilla", "gated" or "rnn". rank: the sequential head's rank r.
+    confidence: build a confidence head; confidence_with_markov: it also reads W1[x_{k-1}].
+    layer: shape of each draft layer (None: the target's layer shape).
+    dtype, param_dtype: as for the target.
+  """
+
+  gamma: int = 7
+  num_layers: int = 1
+  target_layer_ids: tuple[int, ...] = (-1,)
+  mask_token_id: int = 0
+  head_kind: str = "vanilla"
+  rank: int = 256
+  confidence: bool = True
+  confidence_with_markov: bool = True
+  layer: layers.LayerShape | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def check_against(self, target: tm.TargetConfig) -> None:
+    """Raises ValueError unless this draft can run on `target`."""
+    if self.gamma < 1:
+      raise ValueError(f"gamma: must be >= 1, got {self.gamma}")
+    if tuple(self.target_layer_ids) != tuple(target.feature_layers):
+      raise ValueError(f"target_layer_ids: {self.target_layer_ids} differ from the target's "
+                       f"feature_layers {target.feature_layers}")
+    if not 0 <= self.mask_token_id < target.vocab_size:
+      raise ValueError(f"mask_token_id: {self.mask_token_id} is not in [0, {target.vocab_size})")
+    if self.layer is not None and self.layer.hidden_size != target.hidden_size:
+      raise ValueError(f"layer: hidden_size {self.layer.hidden_size} differs from the target's "
+                       f"{target.hidden_size} (the draft shares its embedding and LM head)")
+
+
+class DSparkDraft(nnx.Module):
+  """The draft. ``draft(target, anchor, anchor_pos, context) -> (base_logits, hidden)``."""
+
+  def __init__(self, config: DraftConfig, target_config: tm.TargetConfig, *, rngs: nnx.Rngs):
+    config.check_against(target_config)
+    shape = config.layer or target_config.layer
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    hidden = target_config.hidden_size
+    self.config = config
+    self.shape = shape
+    self.fc = nnx.Linear(len(config.target_layer_ids) * hidden, hidden, use_bias=False, **kw)
+    self.context_norm = nnx.RMSNorm(hidden, epsilon=shape.rms_eps, **kw)
+    self.layers = nnx.List([layers.DecoderLayer(shape, **kw) for _ in range(config.num_layers)])
+    self.final_norm = nnx.RMSNorm(hidden, epsilon=shape.rms_eps, **kw)
+    self.head = heads.MarkovHead.random(config.head_kind, vocab_size=target_config.vocab_size,
+                                        rank=config.rank, hidden_size=hidden, rngs=rngs,
+                                        dtype=config.param_dtype)
+    width = hidden + (config.rank if config.confidence_with_markov else 0)
+    self.confidence = nnx.data(heads.ConfidenceHead.random(width=width, rngs=rngs)
+                               if config.confidence else None)
+
+  def init_context(self, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
+    """A zeroed context cache: per draft layer, keys and values [B, S, K, D]."""
+    shape = (batch, length, self.shape.num_kv_heads, self.shape.head_dim)
+    return {name: tuple(jnp.zeros(shape, self.config.dtype) for _ in self.layers)
+            for name in ("k", "v")}
+
+  def context_inputs(self, features: jax.Array) -> jax.Array:
+    """[B, T, F] target features -> [B, T, E] projected, normalised context states."""
+    return self.context_norm(self.fc(features))
+
+  def extend_context(self, features: jax.Array, positions: jax.Array, context: dict) -> dict:
+    """Writes the context keys/values of [B, T] consecutive `positions` into the cache.
+
+    Args:
+      features: [B, T, F] target features at those positions (`TargetModel.__call__`).
+      positions: [B, T] int absolute positions, consecutive within a row.
+      context: the cache from `init_context` or a previous call.
+    """
+    states = self.context_inputs(features)
+    start = positions[:, 0]
+    out = {"k": [], "v": []}
+    for i, layer in enumerate(self.layers):
+      k, v = layer.attention.keys_values(states, positions)
+      out["k"].append(layers.write_rows(context["k"][i], k, start))
+      out["v"].append(layers.write_rows(context["v"][i], v, start))
+    return {name: tuple(arrays) for name, arrays in out.items()}
+
+  def __call__(self, target: tm.TargetModel, anchor: jax.Array, anchor_pos: jax.Array,
+               context: dict) -> tuple[jax.Array, jax.Array]:
+    """Base logits and hidden states of one block.
+
+    Args:
+      target: the target whose embedding and LM head the draft shares.
+      anchor: [B] int, the last committed token. anchor_pos: [B] int, its absolute position.
+      context: the context cache; slots before `anchor_pos` must hold the committed context.
+
+    Returns:
+      base_logits [B, γ, V] (compute dtype) and hidden [B, γ, E].
+    """
+    gamma = self.config.gamma
+    batch = anchor.shape[0]
+    block = jnp.concatenate(
+        [anchor[:, None].astype(jnp.int32),
+         jnp.full((batch, gamma - 1), self.config.mask_token_id, jnp.int32)], axis=1)
+    x = jax.lax.stop_gradient(target.embed(block)).astype(self.config.dtype)
+    positions = anchor_pos[:, None] + jnp.arange(gamma)[None, :]
+    slots = jnp.arange(context["k"][0].shape[1])
+    mask = jnp.concatenate([
+        jnp.broadcast_to((slots[None, :] < anchor_pos[:, None])[:, None, :],
+                         (batch, gamma, slots.shape[0])),
+        jnp.ones((batch, gamma, gamma), bool)], axis=2)                    # [B, γ, S + γ]
+    for i, layer in enumerate(self.layers):
+      def gather_kv(k, v, i=i):
+        return (jnp.concatenate([context["k"][i], k.astype(context["k"][i].dtype)], axis=1),
+                jnp.concatenate([context["v"][i], v.astype(context["v"][i].dtype)], axis=1),
+                mask, None)
+      x, _ = layer(x, positions, gather_kv)
+    hidden = self.final_norm(x)
+    return _shared_logits(target, hidden), hidden
+
+
+def _shared_logits(target: tm.TargetModel, hidden: jax.Array) -> jax.Array:
+  """The target's LM head applied to draft hidden states, the shared weights frozen."""
+  if target.config.tie_embeddings:
+    table = jax.lax.stop_gradient(target.embed.embedding[...])
+    return jnp.einsum("bte,ve->btv", hidden.astype(table.dtype), table).astype(hidden.dtype)
+  kernel = jax.lax.stop_gradient(target.lm_head.kernel[...])
+  return jnp.einsum("bte,ev->btv", hidden.astype(kernel.dtype), kernel).astype(hidden.dtype)

@@ -1,0 +1,150 @@
+"""Transformer building blocks shared by the target and the draft (Qwen3 layer shape).
+
+This module owns the pieces both models are made of, as flax nnx modules:
+
+* `rope`: rotary position embedding (rotate-half form, per-row absolute positions);
+* `Attention`: q/k/v/o projections without bias, per-head RMSNorm on queries and keys, RoPE, grouped-
+  query attention (``num_heads`` query heads share ``num_kv_heads`` key/value heads). It exposes its
+  halves (`Attention.queries`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
+  keys and values from two sources (context and block) into one attention;
+* `MLP`: the SwiGLU feed-forward block;
+* `write_rows`: writes a contiguous run of per-row entries into a static-size cache.
+
+Shapes: B batch, T tokens, S cache slots, N query heads, K key/value heads, D head dim, E hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+  """The sizes of one Qwen3-style decoder layer.
+
+  Attributes:
+    hidden_size: E. num_heads: N. num_kv_heads: K (divides N). head_dim: D.
+    intermediate_size: the SwiGLU width. rope_theta: RoPE base. rms_eps: RMSNorm epsilon.
+  """
+
+  hidden_size: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  intermediate_size: int
+  rope_theta: float = 1_000_000.0
+  rms_eps: float = 1e-6
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding of [B, T, heads, D] `x` at [B, T] absolute `positions` (rotate-half form)."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq            # [B, T, D/2]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def write_rows(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes [B, T, ...] `values` into [B, S, ...] `cache` at slots ``start_b .. start_b + T - 1``."""
+  return jax.vmap(lambda c, v, s: jax.lax.dynamic_update_slice_in_dim(c, v, s, axis=0))(
+      cache, values.astype(cache.dtype), start)
+
+
+def _linear(fan_in, fan_out, dtype, param_dtype, rngs):
+  return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with q/k RMSNorm and RoPE (Qwen3)."""
+
+  def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
+    e, n, k, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    self.shape = shape
+    self.q_proj = _linear(e, n * d, dtype, param_dtype, rngs)
+    self.k_proj = _linear(e, k * d, dtype, param_dtype, rngs)
+    self.v_proj = _linear(e, k * d, dtype, param_dtype, rngs)
+    self.o_proj = _linear(n * d, e, dtype, param_dtype, rngs)
+    self.q_norm = nnx.RMSNorm(d, epsilon=shape.rms_eps, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+    self.k_norm = nnx.RMSNorm(d, epsilon=shape.rms_eps, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+
+  def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """[B, T, E] -> [B, T, N, D] normalised, rotated queries."""
+    b, t, _ = x.shape
+    q = self.q_norm(self.q_proj(x).reshape(b, t, self.shape.num_heads, self.shape.head_dim))
+    return rope(q, positions, self.shape.rope_theta)
+
+  def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated)."""
+    b, t, _ = x.shape
+    k = self.k_norm(self.k_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim))
+    v = self.v_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim)
+    return rope(k, positions, self.shape.rope_theta), v
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.
+
+    Softmax in float32. A query whose mask is all False gets zeros (never NaN).
+    """
+    b, t, n, d = q.shape
+    groups = n // k.shape[2]
+    q = q.reshape(b, t, k.shape[2], groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
+    weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    return self.o_proj(out.reshape(b, t, n * d))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
+    e, i = shape.hidden_size, shape.intermediate_size
+    self.gate_proj = _linear(e, i, dtype, param_dtype, rngs)
+    self.up_proj = _linear(e, i, dtype, param_dtype, rngs)
+    self.down_proj = _linear(i, e, dtype, param_dtype, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
+
+  The caller supplies the keys/values to attend over (`__call__` takes a function that maps this
+  layer's own keys/values to the full set and the mask), so the same layer serves the target
+  (causal attention over its KV cache) and the draft (context + bidirectional block).
+  """
+
+  def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.input_norm = nnx.RMSNorm(shape.hidden_size, epsilon=shape.rms_eps, **kw)
+    self.attention = Attention(shape, **kw)
+    self.post_norm = nnx.RMSNorm(shape.hidden_size, epsilon=shape.rms_eps, **kw)
+    self.mlp = MLP(shape, **kw)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
+    """Runs the layer. ``gather_kv(k, v) -> (keys, values, mask, aux)`` builds what to attend over
+    from this call's own keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
+    normed = self.input_norm(x)
+    q = self.attention.queries(normed, positions)
+    k, v = self.attention.keys_values(normed, positions)
+    keys, values, mask, aux = gather_kv(k, v)
+    x = x + self.attention.attend(q, keys, values, mask)
+    return x + self.mlp(self.post_norm(x)), aux

@@ -1,0 +1,126 @@
+"""The target: a Qwen3-style decoder with a static-size KV cache (flax nnx).
+
+This module owns the target language model: token embedding, a stack of `layers.DecoderLayer`s with
+causal attention over a per-layer KV cache, the final RMSNorm and the LM head (tied to the embedding or
+its own matrix). One call processes T new tokens per row at given absolute positions: it writes their
+keys/values into the cache at those positions, and each query attends to every cache slot at or before
+its own position. Validity is purely positional, so rolling back rejected tokens needs no work: their
+slots lie beyond the committed length and are overwritten before any query can see them.
+
+The call also returns the hidden states of configured layers (`TargetConfig.feature_layers`; index -1
+is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
+context features a DSpark draft reads (SPEC §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+  """Sizes of the target.
+
+  Attributes:
+    vocab_size: V. num_layers: decoder layers. layer: the `layers.LayerShape` of every layer.
+    tie_embeddings: the LM head is the embedding matrix (transposed).
+    feature_layers: layers whose hidden states the call returns as draft context features.
+    dtype: compute dtype; param_dtype: storage dtype of the weights.
+  """
+
+  vocab_size: int
+  num_layers: int
+  layer: layers.LayerShape
+  tie_embeddings: bool = True
+  feature_layers: tuple[int, ...] = (-1,)
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    bad = [i for i in self.feature_layers if not -1 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"feature_layers: {bad[0]} is not -1 (embeddings) or a layer in "
+                       f"0..{self.num_layers - 1}")
+
+  @property
+  def hidden_size(self) -> int:
+    return self.layer.hidden_size
+
+
+def qwen3_4b_shape(**overrides) -> TargetConfig:
+  """The Qwen3-4B shape (36 layers, E 2560, 32/8 heads of 128, SwiGLU 9728, V 151936), bf16."""
+  values = dict(vocab_size=151936, num_layers=36, tie_embeddings=True,
+                layer=layers.LayerShape(hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128,
+                                        intermediate_size=9728),
+                feature_layers=(1, 9, 17, 25, 33), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  values.update(overrides)
+  return TargetConfig(**values)
+
+
+def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
+  """A zeroed KV cache: ``{"k": (...), "v": (...)}``, one [B, S, K, D] array per layer.
+
+  One array per layer (not one stacked array) so that each layer's write is an in-place update of
+  its own buffer inside a compiled loop.
+  """
+  shape = (batch, length, config.layer.num_kv_heads, config.layer.head_dim)
+  return {name: tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+          for name in ("k", "v")}
+
+
+class TargetModel(nnx.Module):
+  """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``."""
+
+  def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs):
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, **kw)
+    self.layers = nnx.List([layers.DecoderLayer(config.layer, **kw)
+                            for _ in range(config.num_layers)])
+    self.final_norm = nnx.RMSNorm(config.hidden_size, epsilon=config.layer.rms_eps, **kw)
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, **kw)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """LM head on final-normed hidden states [..., E] -> [..., V] in the compute dtype."""
+    if self.config.tie_embeddings:
+      return self.embed.attend(hidden)
+    return self.lm_head(hidden)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict
+               ) -> tuple[jax.Array, jax.Array, dict]:
+    """Runs T new tokens per row.
+
+    Args:
+      tokens: [B, T] int token ids.
+      positions: [B, T] int absolute positions; consecutive within a row (``start_b + t``).
+      cache: from `init_cache` (S slots; slot s holds the keys/values of position s).
+
+    Returns:
+      logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
+    """
+    x = self.embed(tokens)
+    start = positions[:, 0]
+    slots = jnp.arange(cache["k"][0].shape[1])
+    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
+    saved = {-1: x}
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      def gather_kv(k, v, i=i):
+        keys = layers.write_rows(cache["k"][i], k, start)
+        values = layers.write_rows(cache["v"][i], v, start)
+        return keys, values, mask, (keys, values)
+      x, (keys, values) = layer(x, positions, gather_kv)
+      new_k.append(keys)
+      new_v.append(values)
+      saved[i] = x
+    features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
+    logits = self.logits(self.final_norm(x))
+    return logits, features, {"k": tuple(new_k), "v": tuple(new_v)}

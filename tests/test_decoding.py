@@ -1,0 +1,202 @@
+"""generate(): speculative == autoregressive (greedy, token for token; sampled, in law), KV rollback,
+stop tokens, mixed prompt lengths, routing, compile guard, input checks. Tiny f32 models on the CPU."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax as dj
+from dspark_jax import decoding, draft_model as dm, law_checks, layers, target_model as tm
+from tests import stats
+
+VOCAB = 12
+SHAPE = layers.LayerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                          intermediate_size=64)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [3], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
+
+
+def make_target(vocab=VOCAB, sharpness=4.0, seed=0):
+  config = tm.TargetConfig(vocab_size=vocab, num_layers=2, layer=SHAPE, feature_layers=(-1, 1))
+  target = tm.TargetModel(config, rngs=nnx.Rngs(seed))
+  target.final_norm.scale[...] = jnp.full((SHAPE.hidden_size,), sharpness)  # a less flat law
+  return target
+
+
+def make_draft(target, gamma, kind, copy_bias=4.0, seed=1):
+  """A random draft whose sequential head leans towards repeating the previous token, so rounds
+  see a mix of full acceptance, partial acceptance and immediate rejection."""
+  vocab = target.config.vocab_size
+  config = dm.DraftConfig(gamma=gamma, target_layer_ids=(-1, 1), mask_token_id=vocab - 1,
+                          head_kind=kind, rank=vocab)
+  draft = dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(seed))
+  if kind != "rnn":
+    draft.head.w1[...] = jnp.eye(vocab)
+    draft.head.w2[...] = copy_bias * jnp.eye(vocab)
+  return draft
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target()
+
+
+@pytest.mark.parametrize("gamma,kind", list(itertools.product([1, 4, 7], ["vanilla", "gated", "rnn"])))
+def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
+  draft = make_draft(target, gamma, kind)
+  params = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
+  budgets = [9, 4, 13, 1, 7]
+  spec = dj.generate(target, draft, PROMPTS, params, jax.random.key(0), max_new_tokens=budgets)
+  plain = dj.generate(target, None, PROMPTS, params, jax.random.key(0), max_new_tokens=budgets,
+                      spec=False)
+  assert spec.path == "folded-greedy" and plain.path == "autoregressive"
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  np.testing.assert_array_equal(spec.lengths, budgets)
+  assert spec.rounds < plain.rounds or gamma == 1
+  assert spec.acceptance.shape == (gamma,)
+
+
+def test_rounds_mix_rejections_and_acceptance_and_rows_do_not_interact(target):
+  # The copy-biased draft is accepted sometimes and rejected sometimes (so stale KV entries of
+  # rejected positions exist and must be ignored); each row equals the same prompt decoded alone.
+  draft = make_draft(target, 4, "vanilla")
+  params = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
+  together = dj.generate(target, draft, PROMPTS, params, jax.random.key(0), max_new_tokens=16)
+  assert 0.05 < together.acceptance[0] < 0.95, together.acceptance
+  assert 1.0 < together.tau < 5.0
+  for i, prompt in enumerate(PROMPTS):
+    alone = dj.generate(target, draft, [prompt], dj.SamplingParams(temperature=0.0, batch_size=1),
+                        jax.random.key(0), max_new_tokens=16)
+    np.testing.assert_array_equal(alone.tokens[0], together.tokens[i])
+
+
+def test_stale_cache_entries_are_never_read(target):
+  # Fill the KV cache with garbage, then run a prompt: logits equal a fresh cache's.
+  tokens = jnp.array([[3, 1, 4, 1, 5]])
+  positions = jnp.arange(5)[None]
+  fresh = tm.init_cache(target.config, 1, 12)
+  garbage = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape) * 50, fresh)
+  want, _, _ = target(tokens, positions, fresh)
+  got, _, _ = target(tokens, positions, garbage)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # Incremental decoding equals one pass.
+  cache = tm.init_cache(target.config, 1, 12)
+  first, _, cache = target(tokens[:, :3], positions[:, :3], cache)
+  rest, _, _ = target(tokens[:, 3:], positions[:, 3:], cache)
+  np.testing.assert_allclose(jnp.concatenate([first, rest], 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_stop_tokens_end_rows_like_the_baseline(target):
+  draft = make_draft(target, 4, "gated")
+  params = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
+  plain = dj.generate(target, None, PROMPTS, params, jax.random.key(0), max_new_tokens=12, spec=False)
+  stop = int(plain.tokens[0, 3])  # a token the first row produces
+  spec = dj.generate(target, draft, PROMPTS, params, jax.random.key(0), max_new_tokens=12,
+                     stop_token_ids=[stop])
+  base = dj.generate(target, None, PROMPTS, params, jax.random.key(0), max_new_tokens=12,
+                     stop_token_ids=[stop], spec=False)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  np.testing.assert_array_equal(spec.finished, base.finished)
+  assert spec.finished[0] and spec.lengths[0] <= 4
+  for row, n in zip(spec.tokens, spec.lengths):
+    assert np.all(row[n:] == -1) and (stop not in row[:n - 1])
+
+
+def _exact_first_three(target, prompt, temperature):
+  """The target's exact law of its first three sampled tokens after `prompt` (float64 products of
+  the model's float32 conditionals, every prefix enumerated)."""
+  v = target.config.vocab_size
+  prefixes = np.array([prompt + [a, b] for a in range(v) for b in range(v)])
+  n = prefixes.shape[1]
+  cache = tm.init_cache(target.config, len(prefixes), n)
+  logits, _, _ = target(jnp.asarray(prefixes), jnp.broadcast_to(jnp.arange(n), prefixes.shape), cache)
+  logits = np.asarray(logits, np.float64)
+  law = np.zeros((v, v, v))
+  p1 = law_checks.target_probs(logits[0, n - 3], temperature)
+  for a, b in itertools.product(range(v), repeat=2):
+    row = a * v + b
+    p2 = law_checks.target_probs(logits[row, n - 2], temperature)
+    p3 = law_checks.target_probs(logits[row, n - 1], temperature)
+    law[a, b] = p1[a] * p2[b] * p3
+  return law
+
+
+def test_speculative_sampling_law_equals_the_target_law():
+  # N = 60,000 sampled rows (T = 1) with 6,000 greedy rows interleaved, one prompt, V = 8, γ = 3.
+  # Statistic: Pearson chi-square of the first three generated tokens over all 512 outcomes against
+  # the target's exact autoregressive law; threshold p >= 1e-3. Power: the draft's own law of those
+  # tokens (the same decode with every draft accepted) must be rejected at p < 1e-6.
+  target = make_target(vocab=8, sharpness=6.0, seed=3)
+  draft = make_draft(target, 3, "vanilla", copy_bias=2.0, seed=4)
+  n_sampled, every = 60_000, 11
+  rows = n_sampled * every // (every - 1)
+  greedy = np.arange(rows) % every == every - 1
+  params = dj.SamplingParams(temperature=np.where(greedy, 0.0, 1.0))
+  prompt = [1, 5, 2]
+  result = dj.generate(target, draft, [prompt] * rows, params, jax.random.key(11), max_new_tokens=3)
+  assert result.path == "folded-sampling"
+  greedy_rows = result.tokens[greedy]
+  assert np.all(greedy_rows == greedy_rows[0])
+  counts = law_checks.outcome_counts(result.tokens[~greedy], 8)[:8, :8, :8]
+  law = _exact_first_three(target, prompt, 1.0)
+  stats.assert_law(counts, law, what="speculative sampling, first three tokens")
+  stats.assert_rejects(counts, _exact_first_three(target, prompt, 0.6), what="wrong temperature")
+  assert 0.05 < result.acceptance[0] < 0.95
+
+
+def test_eager_fallback_equals_folded_sampling(target):
+  draft = make_draft(target, 4, "rnn")
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])
+  folded = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=10,
+                       mode="force")
+  eager = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=10,
+                      mode="off")
+  assert (folded.path, eager.path) == ("folded-sampling", "eager")
+  np.testing.assert_array_equal(folded.tokens, eager.tokens)
+
+
+def test_calls_in_the_same_buckets_never_recompile(target):
+  draft = make_draft(target, 4, "vanilla")
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 0.5], seed=[1, 2, 3])
+  dj.generate(target, draft, PROMPTS[:3], params, jax.random.key(0), max_new_tokens=6)
+  programs = decoding.compiled_programs()
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+  try:
+    # Other prompts, lengths, budgets, seeds and key; the same batch, prompt and budget buckets.
+    other = dj.SamplingParams(temperature=[1.0, 0.0, 2.0], seed=[7, 8, 9])
+    result = dj.generate(target, draft, [[5, 4, 3, 2], [1], [7, 7]], other, jax.random.key(3),
+                         max_new_tokens=[8, 2, 5])
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [] and decoding.compiled_programs() == programs
+  assert result.compile_seconds == 0.0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(prompts=[[1, 2], [3, VOCAB]]), "prompts: row 1 token 1 is 12"),
+    (dict(prompts=[[1], []]), "prompts: row 1 must be a non-empty"),
+    (dict(params=dj.SamplingParams(temperature=0.0, batch_size=3)), "params: has 3 rows"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(draft=None), "draft: required"),
+    (dict(stop_token_ids=[VOCAB]), "stop_token_ids: entry 0 is 12"),
+])
+def test_bad_inputs_raise_clear_errors(target, edit, match):
+  args = dict(target=target, draft=make_draft(target, 2, "vanilla"), prompts=[[1, 2], [3]],
+              params=dj.SamplingParams(temperature=0.0, batch_size=2), key=jax.random.key(0))
+  args.update(edit)
+  with pytest.raises(ValueError, match=match):
+    dj.generate(**args)
+
+
+def test_draft_must_fit_the_target(target):
+  config = dm.DraftConfig(gamma=2, target_layer_ids=(0,), mask_token_id=1)
+  with pytest.raises(ValueError, match="target_layer_ids"):
+    dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="mask_token_id: 99"):
+    dm.DSparkDraft(dm.DraftConfig(target_layer_ids=(-1, 1), mask_token_id=99), target.config,
+                   rngs=nnx.Rngs(0))
