@@ -1,6 +1,9 @@
-"""The ``dspark-jax`` command line: ``demo`` (the default) and ``probe``.
+"""The ``dspark-jax`` command line: ``demo`` (the default), ``eval``, ``sampler-demo``, ``probe``.
 
-* ``dspark-jax demo``: a short self-contained run on random weights (`dspark_jax.demo`).
+* ``dspark-jax demo``: the shipped trained pair decoding held-out prompts (`dspark_jax.demo`).
+* ``dspark-jax eval``: the acceptance study, DSpark drafter vs parallel ablation at T = 0 and 1: a
+  table, a PNG plot and a JSON file (`dspark_jax.evaluation`).
+* ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.sampler_demo`).
 * ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
   those shapes on the current device and prints the memory gate's decision.
 """
@@ -33,17 +36,32 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command")
 
-  demo = sub.add_parser("demo", help="propose a mixed batch on every path (random weights)")
-  demo.add_argument("--batch-size", type=_positive, default=8)
-  demo.add_argument("--vocab", type=_positive, default=32768)
-  demo.add_argument("--gamma", type=_positive, default=7)
-  demo.add_argument("--rank", type=_positive, default=256)
-  demo.add_argument("--hidden", type=_positive, default=512)
-  demo.add_argument("--head", choices=("vanilla", "gated", "rnn"), default="vanilla")
-  demo.add_argument("--dtype", type=_dtype, default=None,
+  demo = sub.add_parser("demo", help="decode held-out prompts with the shipped trained pair")
+  demo.add_argument("--prompts", type=_positive, default=3)
+  demo.add_argument("--first-prompt", type=int, default=0)
+  demo.add_argument("--max-new-tokens", type=_positive, default=64)
+  demo.add_argument("--temperature", type=float, default=0.0)
+  demo.add_argument("--seed", type=int, default=0)
+
+  evaluate = sub.add_parser("eval", help="acceptance study: DSpark drafter vs parallel ablation")
+  evaluate.add_argument("--prompts", type=_positive, default=None,
+                        help="number of held-out prompts (default: all)")
+  evaluate.add_argument("--max-new-tokens", type=_positive, default=128)
+  evaluate.add_argument("--temperatures", default="0,1")
+  evaluate.add_argument("--seed", type=int, default=0)
+  evaluate.add_argument("--out", default="dspark_eval", help="directory for the PNG and JSON")
+
+  sampler = sub.add_parser("sampler-demo", help="propose a mixed batch on every path (random weights)")
+  sampler.add_argument("--batch-size", type=_positive, default=8)
+  sampler.add_argument("--vocab", type=_positive, default=32768)
+  sampler.add_argument("--gamma", type=_positive, default=7)
+  sampler.add_argument("--rank", type=_positive, default=256)
+  sampler.add_argument("--hidden", type=_positive, default=512)
+  sampler.add_argument("--head", choices=("vanilla", "gated", "rnn"), default="vanilla")
+  sampler.add_argument("--dtype", type=_dtype, default=None,
                     help="logits/weights dtype (default: bf16 on GPU, f32 on CPU, which lacks bf16 math)")
-  demo.add_argument("--repeats", type=_positive, default=20)
-  demo.add_argument("--mode", choices=("off", "auto", "force"), default=None,
+  sampler.add_argument("--repeats", type=_positive, default=20)
+  sampler.add_argument("--mode", choices=("off", "auto", "force"), default=None,
                     help="folded sampling mode (default: $DSPARK_JAX_FOLDED_SAMPLING, else auto)")
 
   probe = sub.add_parser("probe", help="print the memory gate's decision for the current device")
@@ -78,14 +96,40 @@ def probe(args) -> int:
   return 0
 
 
+def evaluate(args) -> int:
+  import json
+  import os
+
+  from dspark_jax import evaluation, shipped
+
+  pair = shipped.load_shipped()
+  temperatures = [float(t) for t in args.temperatures.split(",")]
+  rows = evaluation.acceptance_study(pair, num_prompts=args.prompts,
+                                     max_new_tokens=args.max_new_tokens,
+                                     temperatures=temperatures, seed=args.seed)
+  os.makedirs(args.out, exist_ok=True)
+  png = evaluation.plot_acceptance(rows, os.path.join(args.out, "acceptance.png"))
+  with open(os.path.join(args.out, "acceptance.json"), "w") as f:
+    json.dump({"prompts": args.prompts or len(pair.prompts), "max_new_tokens": args.max_new_tokens,
+               "rows": [row.as_dict() for row in rows]}, f, indent=2)
+  print(evaluation.format_table(rows))
+  print(f"plot: {png}; data: {os.path.join(args.out, 'acceptance.json')}")
+  return 0
+
+
 def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
   args = _parser().parse_args(argv)
-  if args.command == "probe":
-    return probe(args)
-  from dspark_jax import demo
   if args.command is None:
     args = _parser().parse_args(["demo"])
+  if args.command == "probe":
+    return probe(args)
+  if args.command == "eval":
+    return evaluate(args)
+  if args.command == "sampler-demo":
+    from dspark_jax import sampler_demo
+    return sampler_demo.run(args)
+  from dspark_jax import demo
   return demo.run(args)
 
 

@@ -64,7 +64,7 @@ class GenerateResult:
     rounds: loop iterations (speculative rounds, or autoregressive steps) after the prefill.
     tau: mean tokens per round per active row, accepted drafts + bonus (SPEC's τ); 1 for the baseline.
     acceptance: [γ] conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), over active
-      rows and rounds (empty for the baseline).
+      rows and rounds; NaN where no round reached draft k (empty for the baseline).
     path: "folded-sampling", "folded-greedy", "eager" or "autoregressive".
     wall_seconds: execution time of the decode (compilation excluded; includes the final sync).
     compile_seconds: time spent compiling in this call (0 when every program was cached).
@@ -411,7 +411,9 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   lengths = np.asarray(state["count"])[:batch]
   if spec:
     tau = float(state["tau_sum"]) / max(float(state["active_rounds"]), 1.0)
-    acceptance = np.asarray(state["accepted"]) / np.maximum(np.asarray(state["reached"]), 1.0)
+    reached = np.asarray(state["reached"])
+    acceptance = np.where(reached > 0, np.asarray(state["accepted"]) / np.maximum(reached, 1.0),
+                          np.nan)
   else:
     tau, acceptance = 1.0, np.zeros((0,))
   return GenerateResult(tokens=tokens.astype(np.int32), lengths=lengths,

@@ -26,8 +26,8 @@ def test_probe_rejects_bad_arguments(capsys):
 
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_demo_runs_and_paths_agree(capsys, head):
-  assert cli.main(["demo", "--batch-size", "4", "--vocab", "512", "--gamma", "3", "--rank", "16",
+def test_sampler_demo_runs_and_paths_agree(capsys, head):
+  assert cli.main(["sampler-demo", "--batch-size", "4", "--vocab", "512", "--gamma", "3", "--rank", "16",
                    "--hidden", "32", "--head", head, "--repeats", "2"]) == 0
   out = capsys.readouterr().out
   assert "path: folded-sampling" in out

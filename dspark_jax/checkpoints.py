@@ -1,0 +1,200 @@
+"""Checkpoints: model weights and configs in safetensors files, and optimizer state for resuming.
+
+This module owns how models and training state go to disk and come back:
+
+* `save_model` / `load_target` / `load_draft`: an nnx model's parameters as one safetensors file
+  (tensor names are the parameter paths, e.g. ``layers.0.attention.q_proj.kernel``), its config as
+  JSON in the file's metadata, and any extra metadata you pass (how it was trained). Saving can cast
+  to another dtype (bf16 for shipping).
+* `save_train_state` / `load_train_state`: parameters + optimizer state + step, for resuming a run.
+* `config_to_dict` and the ``*_config_from_dict`` functions: the JSON form of the configs.
+
+Loading builds a model from its config and replaces every parameter, checking names and shapes: a
+missing, unexpected or misshapen tensor raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import draft_model as dm
+from dspark_jax import layers
+from dspark_jax import target_model as tm
+
+_DTYPE_FIELDS = ("dtype", "param_dtype")
+
+
+def config_to_dict(config) -> dict[str, Any]:
+  """A JSON-ready dict of a `TargetConfig` / `DraftConfig` (dtypes by name, tuples as lists)."""
+  out = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name in _DTYPE_FIELDS:
+      value = jnp.dtype(value).name
+    elif isinstance(value, layers.LayerShape):
+      value = dataclasses.asdict(value)
+    elif isinstance(value, tuple):
+      value = list(value)
+    out[field.name] = value
+  return out
+
+
+def _common_from_dict(values: dict[str, Any]) -> dict[str, Any]:
+  values = dict(values)
+  for name in _DTYPE_FIELDS:
+    if name in values:
+      values[name] = jnp.dtype(values[name])
+  if values.get("layer") is not None:
+    values["layer"] = layers.LayerShape(**values["layer"])
+  return values
+
+
+def target_config_from_dict(values: dict[str, Any]) -> tm.TargetConfig:
+  values = _common_from_dict(values)
+  values["feature_layers"] = tuple(values["feature_layers"])
+  return tm.TargetConfig(**values)
+
+
+def draft_config_from_dict(values: dict[str, Any]) -> dm.DraftConfig:
+  values = _common_from_dict(values)
+  values["target_layer_ids"] = tuple(values["target_layer_ids"])
+  return dm.DraftConfig(**values)
+
+
+def _name(path) -> str:
+  parts = []
+  for key in path:
+    part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+    if part != "value":  # the Variable's own field, not part of the parameter's name
+      parts.append(str(part))
+  return ".".join(parts)
+
+
+def named_arrays(tree) -> dict[str, jax.Array]:
+  """``{path name: array}`` of a pytree (an nnx.State, an optax state, ...)."""
+  return {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def replace_named(tree, arrays: dict[str, Any], *, what: str):
+  """`tree` with each leaf replaced by ``arrays[name]`` (cast to the leaf's dtype); strict."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  names = [_name(path) for path, _ in leaves]
+  unexpected = sorted(set(arrays) - set(names))
+  if unexpected:
+    raise ValueError(f"{what}: unexpected tensor {unexpected[0]!r}")
+  new = []
+  for name, (_, leaf) in zip(names, leaves):
+    if name not in arrays:
+      raise ValueError(f"{what}: missing tensor {name!r}")
+    value = arrays[name]
+    if tuple(np.shape(value)) != tuple(np.shape(leaf)):
+      raise ValueError(f"{what}: tensor {name!r} has shape {tuple(np.shape(value))}, expected "
+                       f"{tuple(np.shape(leaf))}")
+    new.append(jnp.asarray(value, getattr(leaf, "dtype", None)))
+  return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def model_payload(model: nnx.Module, *, dtype=None, metadata: dict | None = None
+                  ) -> tuple[dict[str, jax.Array], dict[str, str]]:
+  """(tensors, file metadata) of a model: its parameters cast to `dtype` if given, its config and
+  kind, and `metadata` (JSON-encoded)."""
+  arrays = named_arrays(nnx.state(model, nnx.Param))
+  if dtype is not None:
+    arrays = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
+              for k, v in arrays.items()}
+  config = dataclasses.replace(model.config, param_dtype=jnp.dtype(dtype)) if dtype else model.config
+  info = {"config": json.dumps(config_to_dict(config)), "kind": type(model).__name__}
+  info.update({k: json.dumps(v) for k, v in (metadata or {}).items()})
+  return {k: jnp.asarray(v) for k, v in arrays.items()}, info
+
+
+def save_model(path: str, model: nnx.Module, *, dtype=None, metadata: dict | None = None) -> None:
+  """Writes the model's parameters (cast to `dtype` if given) and config to a safetensors file."""
+  from safetensors.flax import save_file
+
+  arrays, info = model_payload(model, dtype=dtype, metadata=metadata)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  save_file(arrays, path, metadata=info)
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+  """The metadata of a file written by `save_model` (JSON values decoded)."""
+  from safetensors import safe_open
+
+  with safe_open(path, framework="flax") as f:
+    raw = f.metadata() or {}
+  out = {}
+  for key, value in raw.items():
+    try:
+      out[key] = json.loads(value)
+    except json.JSONDecodeError:
+      out[key] = value
+  return out
+
+
+def load_arrays(path: str) -> dict[str, jax.Array]:
+  """All tensors of a safetensors file."""
+  from safetensors.flax import load_file
+  return load_file(path)
+
+
+def _with_compute_dtype(config, compute_dtype):
+  return config if compute_dtype is None else dataclasses.replace(config, dtype=compute_dtype)
+
+
+def target_from_arrays(config: tm.TargetConfig, arrays: dict[str, Any]) -> tm.TargetModel:
+  """A `TargetModel` of `config` whose parameters are `arrays` (names as `named_arrays` gives)."""
+  model = nnx.eval_shape(lambda: tm.TargetModel(config, rngs=nnx.Rngs(0)))
+  nnx.update(model, replace_named(nnx.state(model, nnx.Param), arrays, what="target"))
+  return model
+
+
+def draft_from_arrays(config: dm.DraftConfig, target_config: tm.TargetConfig,
+                      arrays: dict[str, Any]) -> dm.DSparkDraft:
+  """A `DSparkDraft` of `config` (for a target of `target_config`) with parameters `arrays`."""
+  model = nnx.eval_shape(lambda: dm.DSparkDraft(config, target_config, rngs=nnx.Rngs(0)))
+  nnx.update(model, replace_named(nnx.state(model, nnx.Param), arrays, what="draft"))
+  return model
+
+
+def load_target(path: str, *, compute_dtype=None) -> tm.TargetModel:
+  """Builds the `TargetModel` saved at `path` (optionally with another compute dtype)."""
+  config = _with_compute_dtype(target_config_from_dict(read_metadata(path)["config"]), compute_dtype)
+  return target_from_arrays(config, load_arrays(path))
+
+
+def load_draft(path: str, target_config: tm.TargetConfig, *, compute_dtype=None) -> dm.DSparkDraft:
+  """Builds the `DSparkDraft` saved at `path` for a target of `target_config`."""
+  config = _with_compute_dtype(draft_config_from_dict(read_metadata(path)["config"]), compute_dtype)
+  return draft_from_arrays(config, target_config, load_arrays(path))
+
+
+def save_train_state(path: str, params, opt_state, step: int, extra: dict | None = None) -> None:
+  """Parameters and optimizer state (float32) plus the step, for resuming (`load_train_state`)."""
+  from safetensors.flax import save_file
+
+  arrays = {f"params.{k}": v for k, v in named_arrays(params).items()}
+  arrays.update({f"opt.{k}": v for k, v in named_arrays(opt_state).items()})
+  meta = {"step": str(int(step))}
+  meta.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+  tmp = path + ".tmp"
+  save_file({k: jnp.asarray(v) for k, v in arrays.items()}, tmp, metadata=meta)
+  os.replace(tmp, path)  # never leave a half-written checkpoint behind
+
+
+def load_train_state(path: str, params_template, opt_state_template):
+  """(params, opt_state, step) from `path`, shaped like the templates."""
+  arrays = load_arrays(path)
+  params = replace_named(params_template, {k[7:]: v for k, v in arrays.items()
+                                           if k.startswith("params.")}, what=path)
+  opt_state = replace_named(opt_state_template, {k[4:]: v for k, v in arrays.items()
+                                                 if k.startswith("opt.")}, what=path)
+  return params, opt_state, int(read_metadata(path)["step"])

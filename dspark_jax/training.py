@@ -1,0 +1,224 @@
+"""Training: the target's language-model loss, the DSpark drafter loss (SPEC §8), and the loop.
+
+This module owns how weights are learned:
+
+* `lm_loss`: next-token cross-entropy of a `TargetModel` on [B, L + 1] token windows.
+* `dspark_loss`: the DeepSpec recipe for a `DSparkDraft` against a frozen target. For each sequence
+  the target runs once (no gradient) and gives the context features and its own next-token law; A
+  random anchors per sequence form γ-token blocks whose context is every position before the anchor.
+  Per block position k (1-based), with weight ``exp(-(k-1)/4)``:
+  ``0.1·CE(corrected logits, the sequence's token) + 0.9·‖p_draft − p_target‖₁ + 1.0·BCE(confidence,
+  1 − ½‖p_draft − p_target‖₁)``. The sequential head is teacher-forced on the true previous tokens;
+  ``use_markov=False`` trains the DFlash-style parallel ablation (corrected = base logits).
+* `make_optimizer`: AdamW with linear warm-up (4 %) and cosine decay, global-norm clipping at 1.0.
+* `Trainer`: jitted train steps over nnx parameters, a progress bar, periodic resumable checkpoints
+  (`checkpoints.save_train_state`) and a wall-clock budget, so a run can be split across device calls.
+
+The target and the drafter's shared embedding and LM head are never updated by `dspark_loss`: only the
+draft's own parameters are differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax import checkpoints
+from dspark_jax import draft_model as dm
+from dspark_jax import heads
+from dspark_jax import target_model as tm
+
+LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
+POSITION_DECAY = 4.0
+
+
+def lm_loss(model: tm.TargetModel, windows: jax.Array) -> tuple[jax.Array, dict]:
+  """Mean next-token cross-entropy over [B, L + 1] windows (token t predicts token t + 1)."""
+  inputs, labels = windows[:, :-1], windows[:, 1:]
+  batch, length = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+  logits, _, _ = model(inputs, positions, tm.init_cache(model.config, batch, length))
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+  return ce.mean(), {"ce": ce.mean()}
+
+
+def _gather_rows(x, index):
+  """x [N, L, ...] gathered at index [N, A, G] along L -> [N, A, G, ...]."""
+  n, a, g = index.shape
+  flat = jnp.take_along_axis(x, index.reshape(n, a * g, *([1] * (x.ndim - 2))), axis=1)
+  return flat.reshape(n, a, g, *x.shape[2:])
+
+
+def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array,
+                anchors: jax.Array, *, use_markov: bool = True) -> tuple[jax.Array, dict]:
+  """The drafter loss of SPEC §8 on [N, L] sequences with [N, A] anchor positions.
+
+  Anchors must satisfy ``1 <= anchor <= L - γ - 1``: the block predicts tokens anchor+1..anchor+γ.
+
+  Returns:
+    (scalar loss, metrics: ce, tv, bce, and the mean draft confidence).
+  """
+  gamma = draft.config.gamma
+  n, length = tokens.shape
+  a = anchors.shape[1]
+  positions = jnp.broadcast_to(jnp.arange(length), (n, length))
+  target_logits, features, _ = target(tokens, positions, tm.init_cache(target.config, n, length))
+  p_target_all = jax.lax.stop_gradient(jax.nn.softmax(target_logits.astype(jnp.float32), -1))
+  features = jax.lax.stop_gradient(features)
+
+  context = draft.extend_context(features, positions, draft.init_context(n, length))
+  context = jax.tree.map(lambda x: jnp.repeat(x, a, axis=0), context)      # [N*A, L, K, D]
+  steps = jnp.arange(gamma)
+  index = anchors[..., None] + steps                                        # [N, A, γ]
+  anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+  labels = _gather_rows(tokens, index + 1).reshape(n * a, gamma)
+  p_target = _gather_rows(p_target_all, index).reshape(n * a, gamma, -1)
+  base, hidden = draft(target, anchor_tokens, anchors.reshape(-1), context)
+
+  prev = jnp.concatenate([anchor_tokens[:, None], labels[:, :-1]], axis=1)  # teacher forcing
+  head = draft.head.arrays()
+  state = jnp.zeros((n * a, draft.head.rank), jnp.float32)
+  biases, embeddings = [], []
+  for k in range(gamma):
+    bias, e, state = heads.markov_step(draft.head.kind, head, prev[:, k], hidden[:, k], state)
+    biases.append(bias)
+    embeddings.append(e)
+  corrected = base.astype(jnp.float32)
+  if use_markov:
+    corrected = corrected + jnp.stack(biases, axis=1)
+  log_q = jax.nn.log_softmax(corrected, axis=-1)
+  ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]       # [N*A, γ]
+  tv = jnp.sum(jnp.abs(jnp.exp(log_q) - p_target), axis=-1)                 # ‖·‖₁
+  weights = jnp.exp(-steps / POSITION_DECAY)
+  per_position = LOSS_WEIGHTS["ce"] * ce + LOSS_WEIGHTS["tv"] * tv
+  metrics = {"ce": ce.mean(), "tv": tv.mean()}
+  if draft.confidence is not None:
+    conf = draft.confidence.arrays()
+    confidence = jnp.stack([heads.confidence_step(conf, hidden[:, k], embeddings[k], k)
+                            for k in range(gamma)], axis=1)
+    label = jax.lax.stop_gradient(1.0 - 0.5 * tv)
+    confidence = jnp.clip(confidence, 1e-6, 1 - 1e-6)
+    bce = -(label * jnp.log(confidence) + (1 - label) * jnp.log1p(-confidence))
+    per_position = per_position + LOSS_WEIGHTS["bce"] * bce
+    metrics.update(bce=bce.mean(), confidence=confidence.mean())
+  loss = jnp.mean(jnp.sum(per_position * weights, axis=1) / jnp.sum(weights))
+  return loss, metrics
+
+
+def make_optimizer(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
+                   weight_decay: float = 0.01, clip_norm: float = 1.0) -> optax.GradientTransformation:
+  """AdamW, linear warm-up then cosine decay to 10 %, clipped to global norm `clip_norm`."""
+  warmup = max(1, int(warmup_fraction * total_steps))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
+                                                end_value=0.1 * learning_rate)
+  return optax.chain(optax.clip_by_global_norm(clip_norm),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Trains the nnx.Param leaves of `model` with ``loss_fn(model, frozen, batch) -> (loss, metrics)``.
+
+  `frozen` (e.g. the target a drafter learns from) is passed to every step as an argument, never
+  differentiated, never updated.
+
+  `train(batches, steps)` runs jitted steps with a tqdm progress bar, checkpoints every
+  `checkpoint_every` steps and at the end (if `checkpoint_path`), resumes from `checkpoint_path` when
+  it exists, and stops early (after checkpointing) once `max_seconds` of wall time have passed.
+  ``batches(step)`` must be a pure function of the step so a resumed run sees the same data.
+  """
+
+  model: nnx.Module
+  loss_fn: Callable[[nnx.Module, Any, Any], tuple[jax.Array, dict]]
+  optimizer: optax.GradientTransformation
+  frozen: nnx.Module | None = None
+  checkpoint_path: str | None = None
+  checkpoint_every: int = 500
+  max_seconds: float | None = None
+  history: list = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
+    self.opt_state = self.optimizer.init(self.params)
+    self.step = 0
+    if self.checkpoint_path and os.path.exists(self.checkpoint_path):
+      self.params, self.opt_state, self.step = checkpoints.load_train_state(
+          self.checkpoint_path, self.params, self.opt_state)
+    graphdef, loss_fn, optimizer = self.graphdef, self.loss_fn, self.optimizer
+    self.frozen_def, self.frozen_state = (None, None) if self.frozen is None else nnx.split(self.frozen)
+    frozen_def = self.frozen_def
+
+    def step_fn(params, rest, frozen_state, opt_state, batch):
+      frozen = None if frozen_def is None else nnx.merge(frozen_def, frozen_state)
+
+      def objective(params):
+        return loss_fn(nnx.merge(graphdef, params, rest), frozen, batch)
+      (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      metrics = dict(metrics, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads))
+      return optax.apply_updates(params, updates), opt_state, metrics
+
+    self._step_fn = jax.jit(step_fn, donate_argnums=(0, 3))
+
+  def save(self) -> None:
+    if self.checkpoint_path:
+      checkpoints.save_train_state(self.checkpoint_path, self.params, self.opt_state, self.step)
+
+  def train(self, batches: Callable[[int], Any], steps: int, *, log_every: int = 50) -> nnx.Module:
+    """Trains until `steps` total steps (or the time budget); returns the model with new params."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(total=steps, initial=self.step, desc="train", dynamic_ncols=True,
+               mininterval=2.0)
+    while self.step < steps:
+      self.params, self.opt_state, metrics = self._step_fn(
+          self.params, self.rest, self.frozen_state, self.opt_state, batches(self.step))
+      self.step += 1
+      bar.update(1)
+      if self.step % log_every == 0 or self.step == steps:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.history.append({"step": self.step, **metrics})
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+      if self.checkpoint_path and self.step % self.checkpoint_every == 0:
+        self.save()
+      if self.max_seconds is not None and time.perf_counter() - start > self.max_seconds:
+        break
+    bar.close()
+    self.save()
+    nnx.update(self.model, self.params)
+    return self.model
+
+
+def lm_batches(stream: np.ndarray, batch: int, length: int, seed: int) -> Callable[[int], jax.Array]:
+  """``step -> [batch, length + 1]`` random windows of a token stream, a pure function of the step."""
+  def at(step: int) -> jax.Array:
+    rng = np.random.default_rng((seed, step))
+    starts = rng.integers(0, len(stream) - length - 1, batch)
+    return jnp.asarray(np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int32))
+  return at
+
+
+def draft_batches(sequences: np.ndarray, batch: int, anchors: int, gamma: int, first_anchor: int,
+                  seed: int) -> Callable[[int], tuple[jax.Array, jax.Array]]:
+  """``step -> (tokens [batch, L], anchors [batch, A])``: random sequences and anchor positions in
+  ``first_anchor .. L - γ - 1``, a pure function of the step."""
+  length = sequences.shape[1]
+  if not 1 <= first_anchor <= length - gamma - 1:
+    raise ValueError(f"first_anchor: {first_anchor} leaves no room for a block of γ={gamma} in "
+                     f"sequences of length {length}")
+
+  def at(step: int):
+    rng = np.random.default_rng((seed, step))
+    rows = rng.integers(0, len(sequences), batch)
+    where = rng.integers(first_anchor, length - gamma, (batch, anchors))
+    return (jnp.asarray(sequences[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)))
+  return at
