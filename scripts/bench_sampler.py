@@ -8,7 +8,10 @@ call plus ``jax.block_until_ready`` on its outputs):
 * folded sampling: the compiled sampling variant called directly on a mixed batch (device program);
 * folded greedy-only: the compiled greedy-only variant on an all-greedy batch;
 * ``propose()``: `DraftSampler.propose` end to end on the mixed batch (adds host-side routing);
-* eager: `proposal.sample_block_eager` on the mixed batch (γ separate step programs from Python).
+* eager: `proposal.sample_block_eager` on the mixed batch (γ separate step programs from Python);
+* torch CUDA graph (when torch with CUDA is importable): the same loop in PyTorch with a per-step
+  exponential-noise buffer, captured once and replayed (`scripts/torch_reference.py`; SGLang's
+  approach), timed per replay over back-to-back replays, so it compares with the "b2b" columns.
 
 Each time is set against an HBM floor: per step the program must read the r×V projection W2, read
 the step's base logits and write the corrected logits, so
@@ -53,6 +56,9 @@ from dspark_jax import draft_sampler
 from dspark_jax import heads
 from dspark_jax import proposal
 from dspark_jax import sampling_params as sp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_reference  # noqa: E402  (scripts/torch_reference.py)
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 MIN_REPEATS = 20
@@ -256,6 +262,15 @@ def bench_shape(vocab: int, batch: int, args, dtype, bandwidth: float, report: R
   eager_s = timed(lambda: proposal.sample_block_eager(head, base_logits, anchor, None, mixed, key,
                                                       positions))
 
+  # The same loop in PyTorch captured in a CUDA graph (SGLang's approach), when torch has CUDA.
+  torch_us = None
+  if torch_reference.available():
+    torch_run = torch_reference.time_cuda_graph(
+        np.asarray(head.arrays()["w1"], np.float32), np.asarray(head.arrays()["w2"], np.float32),
+        np.asarray(base_logits.astype(jnp.float32)), np.asarray(anchor),
+        np.asarray(mixed.temperature), repeats=args.repeats, warmup=args.warmup)
+    torch_us = torch_run["us"]
+
   temp, greedy_temp = temp_bytes(sampling_exe), temp_bytes(greedy_exe)
   # The greedy-only program draws no noise, so its temporaries (weight upcasts, the [B, V] bias,
   # ...) are the baseline; what the sampling variant adds on top is where a noise buffer would show.
@@ -272,6 +287,9 @@ def bench_shape(vocab: int, batch: int, args, dtype, bandwidth: float, report: R
       "pipelined_x_floor": folded_pipe_s / floor_s,
       "greedy_pipelined_x_floor": greedy_pipe_s / floor_s,
       "eager_us": 1e6 * eager_s,
+      "torch_cuda_graph_us": torch_us,
+      "torch_x_floor": None if torch_us is None else torch_us / (1e6 * floor_s),
+      "torch_over_folded_b2b": None if torch_us is None else torch_us / (1e6 * folded_pipe_s),
       "folded_x_floor": folded_s / floor_s, "greedy_x_floor": greedy_s / floor_s,
       "eager_over_folded": eager_s / folded_s,
       "tokens_equal_eager": tokens_match, "corrected_equal_eager": logits_match,
@@ -290,7 +308,8 @@ def bench_shape(vocab: int, batch: int, args, dtype, bandwidth: float, report: R
   report.line(f"  folded {1e6 * folded_s:.1f} µs, greedy-only {1e6 * greedy_s:.1f} µs, "
               f"propose {1e6 * propose_s:.1f} µs, eager {1e6 * eager_s:.1f} µs, "
               f"floor {1e6 * floor_s:.1f} µs; back-to-back: folded {1e6 * folded_pipe_s:.1f} µs, "
-              f"greedy-only {1e6 * greedy_pipe_s:.1f} µs")
+              f"greedy-only {1e6 * greedy_pipe_s:.1f} µs; torch CUDA graph "
+              f"{'n/a' if torch_us is None else f'{torch_us:.1f} µs'}")
   report.line(f"  temp: sampling {_mib(temp)} MiB, greedy-only {_mib(greedy_temp)} MiB, "
               f"difference {_mib(extra)} MiB; a [B, V] f32 noise buffer is "
               f"{noise_limit / MiB:.2f} MiB")
@@ -310,7 +329,8 @@ def _mib(n) -> str:
 COLUMNS = (("V", 7), ("B", 4), ("floor µs", 9), ("folded µs", 10), ("×floor", 7),
            ("greedy µs", 10), ("×floor", 7), ("fold b2b", 9), ("×floor", 7), ("greedy b2b", 10),
            ("×floor", 7), ("propose µs", 11), ("eager µs", 10),
-           ("eager/fold", 10), ("==eager", 7), ("temp MiB", 9), ("Δgreedy MiB", 11),
+           ("eager/fold", 10), ("torch µs", 9), ("×floor", 7), ("==eager", 7), ("temp MiB", 9),
+           ("Δgreedy MiB", 11),
            ("noise buf?", 10))
 
 
@@ -326,7 +346,10 @@ def table_lines(results: list[dict]) -> list[str]:
              f"{r['greedy_x_floor']:.2f}", f"{r['folded_sampling_pipelined_us']:.1f}",
              f"{r['pipelined_x_floor']:.2f}", f"{r['folded_greedy_pipelined_us']:.1f}",
              f"{r['greedy_pipelined_x_floor']:.2f}", f"{r['propose_us']:.1f}", f"{r['eager_us']:.1f}",
-             f"{r['eager_over_folded']:.2f}", "yes" if r["tokens_equal_eager"] else "NO",
+             f"{r['eager_over_folded']:.2f}",
+             "n/a" if r.get("torch_cuda_graph_us") is None else f"{r['torch_cuda_graph_us']:.1f}",
+             "n/a" if r.get("torch_x_floor") is None else f"{r['torch_x_floor']:.2f}",
+             "yes" if r["tokens_equal_eager"] else "NO",
              _mib(r["sampling_temp_bytes"]), _mib(r["sampling_extra_temp_bytes"]),
              "n/a" if r["noise_buffer"] is None else ("yes" if r["noise_buffer"] else "no"))
     lines.append(" ".join(str(c).rjust(width) for c, (_, width) in zip(cells, COLUMNS)))
