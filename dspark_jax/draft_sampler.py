@@ -73,6 +73,7 @@ class DraftSampler:
     max_batch_size, vocab_size, gamma, logits_dtype, hidden_size: the static shapes it serves.
     buckets: the padding bucket sizes.
     decision: the `memory_gate.GateDecision` taken at build time.
+    unroll: the folded programs trace the γ steps one by one instead of looping (`folded_block`).
     compilations: how many programs this sampler has compiled (for compile guards).
   """
 
@@ -85,6 +86,7 @@ class DraftSampler:
   hidden_size: int | None
   buckets: tuple[int, ...]
   decision: memory_gate.GateDecision | None = None
+  unroll: bool = False
   compilations: int = 0
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
   _weights: tuple | None = dataclasses.field(default=None, repr=False)
@@ -122,8 +124,8 @@ class DraftSampler:
     signature = _signature(greedy_only, args)
     compiled = self._compiled.get(signature)
     if compiled is None:
-      compiled = proposal.folded_block.lower(*args, kind=self.head.kind,
-                                             greedy_only=greedy_only).compile()
+      compiled = proposal.folded_block.lower(*args, kind=self.head.kind, greedy_only=greedy_only,
+                                             unroll=self.unroll).compile()
       self._compiled[signature] = compiled
       self.compilations += 1
     return compiled
@@ -212,7 +214,7 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
                         headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
                         memory_stats=None,
                         confidence_head: heads_lib.ConfidenceHead | None = None,
-                        hidden_size: int | None = None) -> DraftSampler:
+                        hidden_size: int | None = None, unroll: bool = False) -> DraftSampler:
   """Builds a `DraftSampler`: resolves the memory gate and compiles the folded variants once.
 
   Args:
@@ -229,6 +231,7 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       when nothing is reported.
     confidence_head: optional confidence head, run inside the folded loop.
     hidden_size: H, needed only when it cannot be read off the heads.
+    unroll: compile the folded loop unrolled (see `proposal.folded_block`); same values.
 
   Returns:
     A `DraftSampler` whose greedy-only variant (and sampling variant, if enabled) is compiled at the
@@ -248,7 +251,7 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       head=head, confidence_head=confidence_head, max_batch_size=max_batch_size,
       vocab_size=vocab_size, gamma=gamma, logits_dtype=logits_dtype,
       hidden_size=_infer_hidden_size(head, confidence_head, hidden_size),
-      buckets=bucket_sizes(max_batch_size))
+      buckets=bucket_sizes(max_batch_size), unroll=unroll)
 
   need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype)
   free, source = memory_gate.probe_free_bytes(memory_stats)

@@ -91,15 +91,31 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
   return tokens, state, corrected, confidence
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "greedy_only"))
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "unroll"))
 def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
-                 positions, key, *, kind, greedy_only):
+                 positions, key, *, kind, greedy_only, unroll=False):
   """The folded γ-step loop as one program; arrays only (see `sample_block` for the meaning).
+
+  ``unroll=True`` traces the γ steps one after another instead of a `lax.fori_loop`: no device-side
+  loop condition and no zero-initialised output buffers (the outputs are stacked), at the price of a
+  program γ times longer. Both forms compute the same values.
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """
   batch, gamma, vocab = base_logits.shape
   rank = head_params["w1"].shape[1]
+  if unroll:
+    prev, state = anchor.astype(jnp.int32), jnp.zeros((batch, rank), jnp.float32)
+    outputs = []
+    for k in range(gamma):
+      prev, state, corrected, confidence = _block_step(
+          kind, head_params, conf_params, greedy_only, k, prev, state, base_logits[:, k],
+          None if hidden is None else hidden[:, k], greedy, temperature, seeds, positions, key)
+      outputs.append((prev, corrected, confidence))
+    tokens, corrected, confidence = zip(*outputs)
+    return (jnp.stack(tokens, axis=1),
+            None if greedy_only else jnp.stack(corrected, axis=1),
+            None if conf_params is None else jnp.stack(confidence, axis=1))
   carry = {
       "prev": anchor.astype(jnp.int32),
       "state": jnp.zeros((batch, rank), jnp.float32),

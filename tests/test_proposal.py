@@ -9,6 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import law_checks as reference
+from dspark_jax import proposal
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
@@ -152,3 +153,28 @@ def test_sample_block_rejects_bad_inputs(edit, match):
   head = helpers.make_head("gated", 30, 4, 3)
   with pytest.raises(ValueError, match=match):
     dj.sample_block(head, **edit(_inputs()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unrolled_folding_equals_the_loop(kind):
+  batch, gamma, vocab, rank, hidden = 5, 4, 200, 8, 6
+  head = helpers.make_head(kind, vocab, rank, hidden)
+  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
+  keys = jax.random.split(jax.random.key(3), 2)
+  base = 2.0 * jax.random.normal(keys[0], (batch, gamma, vocab))
+  h = jax.random.normal(keys[1], (batch, gamma, hidden))
+  params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0])
+  rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 7)
+  for greedy_only in (False, True):
+    outs = [proposal.folded_block(
+        head.arrays(), conf.arrays(), base, rows["anchor"], h, rows["greedy"], rows["temperature"],
+        rows["seeds"], rows["positions"], jax.random.key(4), kind=kind, greedy_only=greedy_only,
+        unroll=unroll) for unroll in (False, True)]
+    for a, b in zip(*outs):
+      assert (a is None) == (b is None)
+      if a is not None:
+        if jax.default_backend() == "cpu":
+          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+          np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                     rtol=2**-7, atol=1e-6)
