@@ -7,7 +7,9 @@ here), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch has CUDA.
 
 * ``loop``: `lax.fori_loop` with outputs written in place (the library default);
 * ``unrolled``: the γ steps traced one after another, outputs stacked (no loop condition on the
-  device, no zero-initialised buffers).
+  device, no zero-initialised buffers);
+* ``pallas``: `fused_step.fused_block`, one Pallas kernel per step (experimental; sampling variant
+  only, Threefry noise, so its tokens are other draws: only its corrected logits are compared).
 
 Each form is checked once against the ``loop`` form (tokens equal where the corrected logits are
 bit-identical). XLA flags are process-wide: run the script again under another ``XLA_FLAGS`` to
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal
+from dspark_jax import fused_step, heads, proposal
 from dspark_jax import sampling_params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def bandwidth(nbytes):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
-  parser.add_argument("--forms", default="loop,unrolled")
+  parser.add_argument("--forms", default="loop,unrolled,pallas")
   parser.add_argument("--repeats", type=int, default=20)
   args = parser.parse_args(argv)
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
@@ -73,6 +75,20 @@ def main(argv=None):
       row = {"V": vocab, "B": batch, "floor": floor}
       reference = None
       for form in forms:
+        if form == "pallas":
+          w = head.arrays()
+          pallas_args = (w["w1"], w["w2"], base, r["anchor"], r["greedy"], r["temperature"],
+                         r["seeds"], r["positions"], jax.random.key(0))
+          try:
+            compiled = fused_step.fused_block.lower(
+                *pallas_args, interpret=jax.default_backend() == "cpu").compile()
+            out = jax.block_until_ready(compiled(*pallas_args))
+            row["pallas corrected ok"] = bool(np.mean(np.asarray(out[1]) == np.asarray(reference[1]))
+                                              > 0.999) if reference is not None else None
+            row["pallas sampling"] = b2b_seconds(compiled, pallas_args, repeats=args.repeats)
+          except Exception as error:  # an experiment: report and go on
+            row["pallas error"] = f"{type(error).__name__}: {str(error)[:200]}"
+          continue
         for greedy_only in (False, True):
           compiled = proposal.folded_block.lower(
               *call_args, kind="vanilla", greedy_only=greedy_only,
@@ -96,7 +112,8 @@ def main(argv=None):
       rows.append(row)
       print({k: (f"{v * 1e6:.1f}us" if isinstance(v, float) else v) for k, v in row.items()},
             flush=True)
-  names = [k for k in rows[0] if k not in ("V", "B", "floor") and not k.endswith("ok")]
+  names = [k for k in rows[0] if k not in ("V", "B", "floor") and not k.endswith("ok")
+           and not k.endswith("error")]
   print("\n| V | B | floor µs | " + " | ".join(f"{n} µs (×floor)" for n in names) + " |")
   print("|---:|---:|---:|" + "---:|" * len(names))
   for row in rows:
