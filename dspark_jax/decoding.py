@@ -103,11 +103,6 @@ def _row_arrays(params: sp.SamplingParams) -> dict[str, Any]:
           "seeds": np.asarray(params.seed, np.uint32)}
 
 
-def _is_stop(tokens, stop_ids):
-  """[B] bool: `tokens` [B] is one of its row's stop ids [B, S]."""
-  return jnp.any(tokens[:, None] == stop_ids, axis=1) & (tokens >= 0)
-
-
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len):
   """Runs the prompts, samples the first token, builds the initial loop state."""
   batch, prompt_len = prompt.shape
@@ -119,7 +114,7 @@ def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, c
   first = target_law.sample_target_tokens(last, rows["greedy"], rows["temperature"], rows["top_k"],
                                           rows["top_p"], keys)
   count = jnp.minimum(max_new, 1)
-  stopped = (count > 0) & _is_stop(first, stop_ids)
+  stopped = (count > 0) & verification.stop_mask(first[:, None], stop_ids)[:, 0]
   state = {
       "cache": cache, "anchor": first, "anchor_pos": prompt_lens,
       "out": jnp.full((batch, out_len), -1, jnp.int32).at[:, 0].set(first),
@@ -144,7 +139,7 @@ def _autoregressive_step(target, state, max_new, rows, stop_ids, key):
   active = ~state["done"]
   out = layers.write_rows(state["out"], token[:, None], state["count"])
   count = state["count"] + active
-  stopped = active & _is_stop(token, stop_ids)
+  stopped = active & verification.stop_mask(token[:, None], stop_ids)[:, 0]
   return dict(state, cache=cache, out=out, count=count, finished=state["finished"] | stopped,
               done=state["done"] | stopped | (count >= max_new),
               anchor=jnp.where(active, token, state["anchor"]),
@@ -216,6 +211,9 @@ def _finish(state, out_len):
   return state
 
 
+_finish_jit = jax.jit(_finish, static_argnums=1)
+
+
 def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
                     target_def, draft_def, path, cache_len, out_len):
   """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
@@ -272,7 +270,7 @@ def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, 
         rows["seeds"], state["anchor_pos"], key, kind=kind)
     state = _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows,
                           stop_ids, key, **defs)
-  return jax.jit(_finish, static_argnums=1)(state, out_len)
+  return _finish_jit(state, out_len)
 
 
 # ---- the public entry point -----------------------------------------------------------------------------

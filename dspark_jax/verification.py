@@ -81,6 +81,11 @@ def _uniforms(key, seeds, positions, gamma):
   return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys).reshape(batch, gamma)
 
 
+def stop_mask(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  """[B, T] bool: which of [B, T] `tokens` are stop tokens of their row ([B, S] ids, -1 = none)."""
+  return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=2) & (tokens >= 0)
+
+
 def _commit(tokens, accept_len, bonus, stop_ids):
   """Builds ``committed`` / ``num_committed`` / ``finished`` from the verification outcome."""
   batch, gamma = tokens.shape
@@ -88,7 +93,7 @@ def _commit(tokens, accept_len, bonus, stop_ids):
   drafts = jnp.concatenate([tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
   committed = jnp.where(slot < accept_len[:, None], drafts,
                         jnp.where(slot == accept_len[:, None], bonus[:, None], -1))
-  is_stop = jnp.any(committed[:, :, None] == stop_ids[:, None, :], axis=2) & (committed >= 0)
+  is_stop = stop_mask(committed, stop_ids)
   finished = jnp.any(is_stop, axis=1)
   num_committed = jnp.where(finished, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1,
                             accept_len + 1)
