@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import fused_step
 from dspark_jax import heads as heads_lib
 from dspark_jax import memory_gate
 from dspark_jax import proposal
@@ -73,7 +74,7 @@ class DraftSampler:
     max_batch_size, vocab_size, gamma, logits_dtype, hidden_size: the static shapes it serves.
     buckets: the padding bucket sizes.
     decision: the `memory_gate.GateDecision` taken at build time.
-    unroll: the folded programs trace the γ steps one by one instead of looping (`folded_block`).
+    form: the folded programs' form ("auto" or one of `proposal.FORMS`; `proposal.folded_block`).
     compilations: how many programs this sampler has compiled (for compile guards).
   """
 
@@ -86,7 +87,7 @@ class DraftSampler:
   hidden_size: int | None
   buckets: tuple[int, ...]
   decision: memory_gate.GateDecision | None = None
-  unroll: bool = False
+  form: str = "auto"
   compilations: int = 0
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
   _weights: tuple | None = dataclasses.field(default=None, repr=False)
@@ -125,7 +126,7 @@ class DraftSampler:
     compiled = self._compiled.get(signature)
     if compiled is None:
       compiled = proposal.folded_block.lower(*args, kind=self.head.kind, greedy_only=greedy_only,
-                                             unroll=self.unroll).compile()
+                                             form=self.form).compile()
       self._compiled[signature] = compiled
       self.compilations += 1
     return compiled
@@ -214,7 +215,7 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
                         headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
                         memory_stats=None,
                         confidence_head: heads_lib.ConfidenceHead | None = None,
-                        hidden_size: int | None = None, unroll: bool = False) -> DraftSampler:
+                        hidden_size: int | None = None, form: str = "auto") -> DraftSampler:
   """Builds a `DraftSampler`: resolves the memory gate and compiles the folded variants once.
 
   Args:
@@ -231,7 +232,8 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       when nothing is reported.
     confidence_head: optional confidence head, run inside the folded loop.
     hidden_size: H, needed only when it cannot be read off the heads.
-    unroll: compile the folded loop unrolled (see `proposal.folded_block`); same values.
+    form: how the folded programs are written: "auto" (`proposal.choose_form`, per variant and
+      bucket), "loop", "unrolled" or "pallas" (`proposal.folded_block`); the same law.
 
   Returns:
     A `DraftSampler` whose greedy-only variant (and sampling variant, if enabled) is compiled at the
@@ -242,6 +244,11 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
     raise ValueError(f"vocab_size: {vocab_size} does not match the head's vocab {head.vocab_size}")
   if gamma < 1:
     raise ValueError(f"gamma: must be >= 1, got {gamma}")
+  if form != "auto" and form not in proposal.FORMS:
+    raise ValueError(f"form: expected \"auto\" or one of {proposal.FORMS}, got {form!r}")
+  if form == "pallas" and not fused_step.supports(vocab_size):
+    raise ValueError(f"form: \"pallas\" needs a vocab divisible by {fused_step.MIN_TILE}, "
+                     f"got {vocab_size}")
   if headroom_bytes < 0:
     raise ValueError(f"headroom_bytes: must be >= 0, got {headroom_bytes}")
   logits_dtype = jnp.dtype(logits_dtype)
@@ -251,7 +258,7 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       head=head, confidence_head=confidence_head, max_batch_size=max_batch_size,
       vocab_size=vocab_size, gamma=gamma, logits_dtype=logits_dtype,
       hidden_size=_infer_hidden_size(head, confidence_head, hidden_size),
-      buckets=bucket_sizes(max_batch_size), unroll=unroll)
+      buckets=bucket_sizes(max_batch_size), form=form)
 
   need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype)
   free, source = memory_gate.probe_free_bytes(memory_stats)

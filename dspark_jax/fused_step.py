@@ -1,21 +1,23 @@
-"""EXPERIMENTAL (issue 6): one fused Pallas kernel per draft step, and the noise it can share with XLA.
+"""One draft step as one Pallas kernel: the corrected logits and their tile statistics in one pass.
 
-Not used by the library yet: it is here to be measured on the GPU against the XLA program
-(`proposal.folded_block`). What it owns:
+Step k of the block (SPEC §3) needs ``L_k = U_k + v_k @ W2`` (v_k from the Markov head), stored in the
+logits dtype, and then a token sampled from the stored values. Written in XLA, the bias ``v @ W2``
+leaves cuBLAS as a float32 [B, V] array that the add, the store and the sampler read back; here one
+kernel per (row block, vocabulary tile) does it all while the tile is in registers:
 
-* `threefry2x32`: the Threefry-2x32 block cipher (20 rounds, Salmon et al. 2011) in plain uint32
-  arithmetic (add, rotate, xor). It equals ``jax.extend.random.threefry_2x32`` bit for bit (tested),
-  and because it is only elementwise integer ops it runs unchanged inside a Pallas kernel and inside
-  any XLA fusion. `gumbel_noise` turns its bits into Gumbel(0, 1) noise for (row key, column).
-* `fused_step`: per vocabulary tile, one kernel reads ``W2[:, tile]`` once for all rows, computes
-  ``bias = W1[x_prev] @ W2`` in float32, adds the step's base logits, rounds to the logits dtype,
-  writes the corrected logits, adds Gumbel noise to ``L / T`` (sampled rows) and reduces the tile to
-  a (max, first index) pair per row; a small second reduction over tiles picks each row's token.
-  That is the floor's traffic: W2, the base logits and the corrected logits, each once.
-* `reference_step`: the same math in plain XLA, the oracle for the kernel's tests.
+* ``bias = v[rows] @ W2[:, tile]`` in float32 (``W2[:, tile]`` is read once for the whole row block);
+* ``corrected = round(U_k[rows, tile] + bias)`` written straight into slice k of the [B, γ, V] output
+  (sampling variant only);
+* per row: the tile's max, its first argmax (NaN first) and its log-mass ``logsumexp(corrected / T)``
+  (`sampling.tile_log_mass`, the same expression).
 
-Semantics match `sampling.argmax_last`: ties go to the smallest index and NaN wins (its first index).
-Runs in Pallas interpret mode on the CPU (tests) and through Pallas' GPU lowering elsewhere.
+The statistics are all `sampling.tokens_from_tile_stats` needs: greedy rows reduce the (max, argmax)
+pairs, sampled rows draw a tile from the log-masses and then a token inside it (two-level Gumbel-max,
+see `sampling`). So HBM sees W2, U_k and the corrected logits once each per step: the floor's traffic.
+
+Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
+`sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
+multiple of 16. Runs through Pallas' Triton lowering on GPUs and in its interpreter on the CPU (tests).
 """
 
 from __future__ import annotations
@@ -26,160 +28,150 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from dspark_jax import sampling
 
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA
-MIN_ROWS = 16  # GPU matrix units want at least 16 rows per dot
+MIN_ROWS = 16  # a dot on the matrix units needs at least 16 rows
+MIN_TILE = 16
 
 
-def _rotl(x, r):
-  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+def supports(vocab: int) -> bool:
+  """Whether the kernel can run at vocabulary size `vocab` (a tile of >= 16 columns divides it)."""
+  return sampling.vocab_tile(vocab) >= MIN_TILE
 
 
-def threefry2x32(key0, key1, x0, x1):
-  """Threefry-2x32 with 20 rounds on uint32 arrays (broadcast together); returns two uint32 words."""
-  key0, key1 = jnp.asarray(key0, jnp.uint32), jnp.asarray(key1, jnp.uint32)
-  ks = (key0, key1, key0 ^ key1 ^ jnp.uint32(_PARITY))
-  x0 = jnp.asarray(x0, jnp.uint32) + ks[0]
-  x1 = jnp.asarray(x1, jnp.uint32) + ks[1]
-  for group in range(5):
-    for r in _ROTATIONS[group % 2]:
-      x0 = x0 + x1
-      x1 = _rotl(x1, r) ^ x0
-    x0 = x0 + ks[(group + 1) % 3]
-    x1 = x1 + ks[(group + 2) % 3] + jnp.uint32(group + 1)
-  return x0, x1
+def row_block(batch: int, limit: int = 64) -> int:
+  """Rows per kernel instance: the batch rounded up to a power of two, within [16, `limit`]."""
+  return max(MIN_ROWS, min(limit, 1 << max(batch - 1, 0).bit_length()))
 
 
-def gumbel_noise(key0, key1, columns):
-  """Gumbel(0, 1) float32 noise for row keys (key0, key1) [B, 1] and columns [1, C] (uint32)."""
-  bits, _ = threefry2x32(key0, key1, columns, jnp.zeros_like(columns))
-  # 23 random mantissa bits -> uniform in [1, 2) -> [0, 1); clamp away from 0 as jax.random does.
-  uniform = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000),
-                                         jnp.float32) - 1.0
-  uniform = jnp.maximum(uniform, jnp.finfo(jnp.float32).tiny)
-  return -jnp.log(-jnp.log(uniform))
-
-
-def row_key_words(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Two uint32 words per row from [B] typed keys (`sampling.row_keys`)."""
-  bits = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
-  return bits[:, 0], bits[:, 1]
-
-
-def _tile_first_max(scores, columns):
-  """Per row of [R, C] `scores`: (max value, its first column), NaN winning (first NaN)."""
+def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_ref, mass_ref, *,
+              row0, step, batch, rows, tile, k_chunk):
+  """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
+  col0 = j * tile
+  cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
+  in_batch = (row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)) < batch
+  window = (row_slice, jnp.int32(step), cols)
+  base = plgpu.load(base_ref.at[window], mask=in_batch, other=0.0)
+  precision = jax.lax.Precision.HIGHEST if w2_ref.dtype == jnp.float32 else None  # no TF32
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+  if k_chunk is None:
+    bias = dot(v_ref[row_slice, :], w2_ref[:, cols])
+  else:  # a loop over rank chunks lets Triton pipeline the W2 loads
+    def partial_bias(kk, acc):
+      chunk = pl.ds(kk * k_chunk, k_chunk)
+      return acc + dot(v_ref[row_slice, chunk], w2_ref[chunk, cols])
+    bias = jax.lax.fori_loop(0, w2_ref.shape[0] // k_chunk, partial_bias,
+                             jnp.zeros((rows, tile), jnp.float32))
+  corrected = (base.astype(jnp.float32) + bias).astype(base_ref.dtype)
+  if corrected_ref is not None:
+    plgpu.store(corrected_ref.at[window], corrected, mask=in_batch)
+  x = corrected.astype(jnp.float32)
+  columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
   big = jnp.int32(np.iinfo(np.int32).max)
-  is_nan = jnp.isnan(scores)
-  any_nan = jnp.any(is_nan, axis=1, keepdims=True)
-  clean = jnp.where(is_nan, -jnp.inf, scores)
-  best = jnp.max(clean, axis=1, keepdims=True)
-  first_best = jnp.min(jnp.where(clean == best, columns, big), axis=1)
+  is_nan = jnp.isnan(x)
+  any_nan = jnp.max(is_nan.astype(jnp.int32), axis=1) > 0
+  clean = jnp.where(is_nan, -jnp.inf, x)
+  best = jnp.max(clean, axis=1)
+  first_best = jnp.min(jnp.where(clean == best[:, None], columns, big), axis=1)
   first_nan = jnp.min(jnp.where(is_nan, columns, big), axis=1)
-  value = jnp.where(any_nan[:, 0], jnp.nan, best[:, 0])
-  return value, jnp.where(any_nan[:, 0], first_nan, first_best)
+  tile_max = jnp.where(any_nan, jnp.nan, best)
+  max_ref[j, row_slice] = tile_max
+  arg_ref[j, row_slice] = jnp.where(any_nan, first_nan, first_best)
+  if mass_ref is not None:
+    mass_ref[j, row_slice] = sampling.tile_log_mass(x, tile_max, temp_ref[row_slice])
 
 
-def _step_math(e, w2, base, temperature, greedy, key0, key1, columns, logits_dtype):
-  """Corrected logits (logits dtype) and sampling scores of one vocabulary slice."""
-  bias = jnp.dot(e, w2, preferred_element_type=jnp.float32)
-  corrected = (base.astype(jnp.float32) + bias).astype(logits_dtype)
-  rounded = corrected.astype(jnp.float32)
-  noisy = rounded / temperature + gumbel_noise(key0, key1, columns)
-  return corrected, jnp.where(greedy, rounded, noisy)
+def _kernel(v_ref, w2_ref, base_ref, temp_ref, *refs, tiles, tiles_per_program, greedy_only,
+            **static):
+  if greedy_only:
+    (max_ref, arg_ref), corrected_ref, mass_ref = refs, None, None
+  else:
+    *_, corrected_ref, max_ref, arg_ref, mass_ref = refs  # an aliased input may come first
+  block, group = pl.program_id(0), pl.program_id(1)
+  run = functools.partial(_one_tile, v_ref=v_ref, w2_ref=w2_ref, base_ref=base_ref,
+                          temp_ref=temp_ref, corrected_ref=corrected_ref, max_ref=max_ref,
+                          arg_ref=arg_ref, mass_ref=mass_ref, row0=block * static["rows"],
+                          **static)
+  if tiles_per_program == 1:
+    run(group)
+    return
+
+  def body(t, carry):
+    j = group * tiles_per_program + t
+
+    @pl.when(j < tiles)
+    def _():
+      run(j)
+    return carry
+
+  jax.lax.fori_loop(0, tiles_per_program, body, 0)
 
 
-def _kernel(e_ref, w2_ref, base_ref, temp_ref, greedy_ref, k0_ref, k1_ref,
-            corrected_ref, value_ref, index_ref, *, tile):
-  start = pl.program_id(0) * tile
-  columns = start + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
-  corrected, scores = _step_math(
-      e_ref[...], w2_ref[...], base_ref[...], temp_ref[...], greedy_ref[...] != 0, k0_ref[...],
-      k1_ref[...], columns.astype(jnp.uint32), corrected_ref.dtype)
-  corrected_ref[...] = corrected
-  value, index = _tile_first_max(scores, columns)
-  value_ref[...] = value[None, :]
-  index_ref[...] = index[None, :]
-
-
-def vocab_tile(vocab: int, limit: int = 512) -> int:
-  """The largest power of two <= `limit` dividing V (Pallas GPU blocks are powers of two)."""
-  tile = limit
-  while tile > 1 and vocab % tile:
-    tile //= 2
-  return tile
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def fused_step(e, w2, base, temperature, greedy, key0, key1, *, interpret=False):
-  """One draft step in one kernel (+ a tiny reduction over tiles).
+@functools.partial(jax.jit, static_argnames=("step", "greedy_only", "rows", "num_warps",
+                                             "num_stages", "k_chunk", "tiles_per_program",
+                                             "interpret"))
+def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only, rows=None,
+               num_warps=None, num_stages=None, k_chunk=None, tiles_per_program=1,
+               interpret=False):
+  """Runs the kernel for block position `step`.
 
   Args:
-    e: [B, r] ``W1[x_prev]`` in the weights' dtype. w2: [r, V]. base: [B, V] the step's base logits.
-    temperature: [B] float32 (clamped). greedy: [B] bool. key0, key1: [B] uint32 row key words.
-    interpret: run the kernel in Pallas' interpreter (CPU tests).
+    v: [B, r] the Markov head's vector for this step (``W1[x_prev]`` for a vanilla head); cast to
+      W2's dtype. w2: [r, V].
+    base_logits: [B, γ, V] the backbone's logits (row `step` is read).
+    temperature: [B] float32 clamped draft temperatures.
+    corrected: [B, γ, V] the buffer to write slice `step` of (aliased in place), or None to allocate
+      it (its other slices are then unwritten); ignored by the greedy-only variant.
+    step: static block position. greedy_only: no corrected logits, no log-masses.
+    rows: static rows per kernel instance (default `row_block(B)`).
+    num_warps, num_stages: Triton's, or None for its defaults.
+    k_chunk: static rank chunk of the in-kernel loop over r (None: one dot over all of r).
+    tiles_per_program: vocabulary tiles one kernel instance walks through (a smaller grid).
+    interpret: run in Pallas' interpreter (CPU).
 
   Returns:
-    (tokens [B] int32, corrected [B, V] in base's dtype).
+    ``(corrected [B, γ, V] | None, tile_max [B, V/c], tile_argmax [B, V/c], tile_mass [B, V/c] | None)``.
   """
-  batch, rank = e.shape
+  batch, rank = v.shape
   vocab = w2.shape[1]
-  rows = max(MIN_ROWS, 1 << (batch - 1).bit_length())
-  pad = rows - batch
-  col = lambda x, dtype: jnp.pad(x.astype(dtype), (0, pad))[:, None]
-  e_p = jnp.pad(e, ((0, pad), (0, 0)))
-  base_p = jnp.pad(base, ((0, pad), (0, 0)))
-  tile = vocab_tile(vocab)
+  tile = sampling.vocab_tile(vocab)
+  if tile < MIN_TILE:
+    raise ValueError(f"w2: vocab {vocab} has no power-of-two tile >= {MIN_TILE}; use the XLA form")
+  rows = rows or row_block(batch)
+  blocks = -(-batch // rows)
+  padded = blocks * rows
+  v = jnp.pad(v.astype(w2.dtype), ((0, padded - batch), (0, 0)))
+  temperature = jnp.pad(temperature.astype(jnp.float32), (0, padded - batch), constant_values=1.0)
+  stat = lambda dtype: jax.ShapeDtypeStruct((vocab // tile, padded), dtype)
+  out_shape = [stat(jnp.float32), stat(jnp.int32)]
+  inputs = [v, w2, base_logits, temperature]
+  aliases = {}
+  if not greedy_only:
+    out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape,
+                 stat(jnp.float32)]
+    if corrected is not None:
+      inputs.append(corrected)
+      aliases = {len(inputs) - 1: 0}
   tiles = vocab // tile
-  whole = lambda shape: pl.BlockSpec(shape, lambda j: (0, 0))
-  corrected, values, indices = pl.pallas_call(
-      functools.partial(_kernel, tile=tile),
-      grid=(tiles,),
-      in_specs=[whole((rows, rank)), pl.BlockSpec((rank, tile), lambda j: (0, j)),
-                pl.BlockSpec((rows, tile), lambda j: (0, j)), whole((rows, 1)), whole((rows, 1)),
-                whole((rows, 1)), whole((rows, 1))],
-      out_specs=[pl.BlockSpec((rows, tile), lambda j: (0, j)),
-                 pl.BlockSpec((1, rows), lambda j: (j, 0)), pl.BlockSpec((1, rows), lambda j: (j, 0))],
-      out_shape=[jax.ShapeDtypeStruct((rows, vocab), base.dtype),
-                 jax.ShapeDtypeStruct((tiles, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((tiles, rows), jnp.int32)],
+  groups = -(-tiles // tiles_per_program)
+  params = {name: value for name, value in (("num_warps", num_warps),
+                                             ("num_stages", num_stages)) if value}
+  outs = pl.pallas_call(
+      functools.partial(_kernel, step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk,
+                        tiles=tiles, tiles_per_program=tiles_per_program,
+                        greedy_only=greedy_only),
+      grid=(blocks, groups),
+      in_specs=[pl.no_block_spec] * len(inputs),
+      out_specs=[pl.no_block_spec] * len(out_shape),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(**params) if params else None,
       interpret=interpret,
-  )(e_p, w2, base_p, col(temperature, jnp.float32), col(greedy, jnp.int32),
-    col(key0, jnp.uint32), col(key1, jnp.uint32))
-  _, tokens = sampling._reduce_first_max(values.T, indices.T, 1)
-  return tokens[:batch], corrected[:batch]
-
-
-def reference_step(e, w2, base, temperature, greedy, key0, key1):
-  """`fused_step` in plain XLA (no kernel): the oracle for tests."""
-  columns = jnp.arange(w2.shape[1], dtype=jnp.uint32)[None, :]
-  corrected, scores = _step_math(e, w2, base, temperature[:, None], greedy[:, None],
-                                 key0[:, None], key1[:, None], columns, base.dtype)
-  return sampling.argmax_last(scores), corrected
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def fused_block(w1, w2, base_logits, anchor, greedy, temperature, seeds, positions, key, *,
-                interpret=False):
-  """The γ-step block of a vanilla head with `fused_step` per step (unrolled).
-
-  Same inputs as `proposal.folded_block` (vanilla head, no confidence); the per-row keys are the
-  draft stream's (`sampling.row_keys` at ``positions + k + 1``), turned into Threefry words, so the
-  tokens are exact samples but not the same draws as `proposal.folded_block`'s Philox noise.
-
-  Returns:
-    (tokens [B, γ] int32, corrected [B, γ, V]).
-  """
-  gamma = base_logits.shape[1]
-  prev = anchor.astype(jnp.int32)
-  tokens, corrected = [], []
-  for k in range(gamma):
-    keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
-    key0, key1 = row_key_words(keys)
-    prev, logits = fused_step(jnp.take(w1, prev, axis=0).astype(w2.dtype), w2, base_logits[:, k],
-                              temperature, greedy, key0, key1, interpret=interpret)
-    tokens.append(prev)
-    corrected.append(logits)
-  return jnp.stack(tokens, axis=1), jnp.stack(corrected, axis=1)
+  )(*inputs)
+  if greedy_only:
+    tile_max, tile_arg = outs
+    return None, tile_max[:, :batch].T, tile_arg[:, :batch].T, None
+  corrected, tile_max, tile_arg, mass = outs
+  return corrected, tile_max[:, :batch].T, tile_arg[:, :batch].T, mass[:, :batch].T

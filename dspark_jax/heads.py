@@ -44,10 +44,10 @@ def _dense(x, w, b=None):
 # ---- pure functions ------------------------------------------------------------------------------
 
 
-def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Array,
-                hidden: jax.Array | None, state: jax.Array
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One step of a sequential head.
+def markov_vector(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Array,
+                  hidden: jax.Array | None, state: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The rank-r vector a sequential head multiplies with ``W2`` (``bias = v @ W2``), for one step.
 
   Args:
     kind: "vanilla", "gated" or "rnn".
@@ -57,10 +57,9 @@ def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Arr
     state: [B, r] float32 recurrent state; carried unchanged by "vanilla" and "gated".
 
   Returns:
-    ``(bias [B, V] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
+    ``(v [B, r] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
   """
-  w1, w2 = params["w1"], params["w2"]
-  e = jnp.take(w1, prev_tokens, axis=0).astype(jnp.float32)
+  e = jnp.take(params["w1"], prev_tokens, axis=0).astype(jnp.float32)
   if kind == "vanilla":
     v = e
   elif kind == "gated":
@@ -76,6 +75,19 @@ def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Arr
     v = jnp.tanh(o)
   else:
     raise ValueError(f"kind: expected one of {HEAD_KINDS}, got {kind!r}")
+  return v, e, state
+
+
+def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Array,
+                hidden: jax.Array | None, state: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One step of a sequential head: `markov_vector`, then ``bias = v @ W2``.
+
+  Returns:
+    ``(bias [B, V] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
+  """
+  v, e, state = markov_vector(kind, params, prev_tokens, hidden, state)
+  w2 = params["w2"]
   # float32 weights get full-precision products (no TF32); 16-bit weights stream as they are.
   precision = _HIGHEST if w2.dtype == jnp.float32 else None
   bias = jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=precision)

@@ -8,9 +8,14 @@ draft law ``q = softmax(corrected / T)`` is then exactly the law the tokens were
 
 Two paths run the same step function (`_block_step`) and give bit-identical results for the same key:
 
-* **folded** (`sample_block`): the whole loop in one jitted program (`lax.fori_loop`, outputs written
-  in place), the JAX counterpart of SGLang's CUDA-graph folding. Variant ``greedy_only=True`` takes the
-  argmax everywhere and does not emit corrected logits (greedy verification does not need them).
+* **folded** (`sample_block`): the whole loop in one jitted program, the JAX counterpart of SGLang's
+  CUDA-graph folding. Variant ``greedy_only=True`` takes the argmax everywhere and does not emit
+  corrected logits (greedy verification does not need them). Three forms compute the same function
+  (`FORMS`): ``"loop"`` (`lax.fori_loop`, outputs written in place), ``"unrolled"`` (the γ steps traced
+  one after another) and ``"pallas"`` (unrolled, each step's logits and tile statistics from one
+  `fused_step` kernel; the GPU form). The first two are bit-identical; the kernel sums ``v @ W2`` in
+  its own order, so on a GPU a corrected logit can differ in its last bit and a near-tie can go the
+  other way; the law, ``softmax`` of the *stored* logits, is the same (tests check it).
 * **eager** (`sample_block_eager`): a Python loop calling the compiled step γ times: the reference, and
   the fallback for mixed batches when the memory gate disables the folded sampling variant.
 
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dspark_jax import fused_step
 from dspark_jax import heads as heads_lib
 from dspark_jax import sampling
 from dspark_jax import sampling_params as sp
@@ -36,6 +42,23 @@ from dspark_jax import sampling_params as sp
 PATH_FOLDED_SAMPLING = "folded-sampling"
 PATH_FOLDED_GREEDY = "folded-greedy"
 PATH_EAGER = "eager"
+FORMS = ("loop", "unrolled", "pallas")
+AUTO_PALLAS_MIN_BATCH = 64  # below this the kernel's per-step overhead outweighs its saved traffic
+
+
+def choose_form(greedy_only: bool, batch: int, vocab: int, platform: str | None = None) -> str:
+  """The form ``form="auto"`` resolves to: the fastest measured on an H200 (BENCHMARKS.md, issue 6).
+
+  On GPUs: greedy-only -> "unrolled"; sampling -> "pallas" from `AUTO_PALLAS_MIN_BATCH` rows (when
+  the vocabulary suits the kernel), else "loop". Elsewhere "loop" (the interpreter is for tests).
+  """
+  if (platform or jax.default_backend()) != "gpu":
+    return "loop"
+  if greedy_only:
+    return "unrolled"
+  if batch >= AUTO_PALLAS_MIN_BATCH and fused_step.supports(vocab):
+    return "pallas"
+  return "loop"
 
 
 @struct.dataclass
@@ -91,20 +114,57 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
   return tokens, state, corrected, confidence
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "unroll"))
+def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy, temperature,
+                  seeds, positions, key, greedy_only, pallas_options):
+  """The γ steps unrolled, each one `fused_step` kernel plus the small token choice in XLA."""
+  batch, gamma, _ = base_logits.shape
+  prev = anchor.astype(jnp.int32)
+  state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
+  corrected, tokens, confidence = None, [], []
+  interpret = jax.default_backend() == "cpu"
+  for k in range(gamma):
+    hidden_k = None if hidden is None else hidden[:, k]
+    v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+    corrected, tile_max, tile_arg, tile_mass = fused_step.step_stats(
+        v, head_params["w2"], base_logits, temperature, corrected, step=k,
+        greedy_only=greedy_only, interpret=interpret, **dict(pallas_options))
+    if greedy_only:
+      prev = sampling._reduce_first_max(tile_max, tile_arg, 1)[1]
+    else:
+      keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
+      prev = sampling.tokens_from_tile_stats(corrected[:, k], tile_max, tile_arg, tile_mass, greedy,
+                                             temperature, keys)
+    tokens.append(prev)
+    if conf_params is not None:
+      confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
+  return (jnp.stack(tokens, axis=1), corrected,
+          None if conf_params is None else jnp.stack(confidence, axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "form", "pallas_options"))
 def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
-                 positions, key, *, kind, greedy_only, unroll=False):
+                 positions, key, *, kind, greedy_only, form="auto", pallas_options=()):
   """The folded γ-step loop as one program; arrays only (see `sample_block` for the meaning).
 
-  ``unroll=True`` traces the γ steps one after another instead of a `lax.fori_loop`: no device-side
-  loop condition and no zero-initialised output buffers (the outputs are stacked), at the price of a
-  program γ times longer. Both forms compute the same values.
+  `form` (static, ``"auto"`` (`choose_form`) or one of `FORMS`): ``"loop"`` runs a `lax.fori_loop` writing the outputs in place;
+  ``"unrolled"`` traces the γ steps one after another (no device-side loop condition, no
+  zero-initialised buffers; the outputs are stacked); ``"pallas"`` is unrolled with one `fused_step`
+  kernel per step (needs V divisible by 16; Pallas' interpreter on the CPU, slow: for tests).
+  `pallas_options`: static ``((name, value), ...)`` tuning passed to `fused_step.step_stats`
+  (``rows``, ``num_warps``).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """
+  if form == "auto":
+    form = choose_form(greedy_only, base_logits.shape[0], base_logits.shape[2])
+  if form not in FORMS:
+    raise ValueError(f"form: expected \"auto\" or one of {FORMS}, got {form!r}")
+  if form == "pallas":
+    return _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy,
+                         temperature, seeds, positions, key, greedy_only, pallas_options)
   batch, gamma, vocab = base_logits.shape
   rank = head_params["w1"].shape[1]
-  if unroll:
+  if form == "unrolled":
     prev, state = anchor.astype(jnp.int32), jnp.zeros((batch, rank), jnp.float32)
     outputs = []
     for k in range(gamma):

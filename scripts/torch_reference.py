@@ -45,7 +45,7 @@ def time_cuda_graph(w1: np.ndarray, w2: np.ndarray, base_logits: np.ndarray, anc
   dtype = torch.bfloat16
   w1_t = torch.as_tensor(w1, device=device).to(dtype)
   w2_t = torch.as_tensor(w2, device=device).to(dtype)
-  base = torch.as_tensor(base_logits, device=device).to(dtype)
+  base = torch.as_tensor(np.array(base_logits), device=device).to(dtype)
   batch, gamma, vocab = base.shape
   anchor_t = torch.as_tensor(anchor, device=device, dtype=torch.long)
   temps = torch.as_tensor(temperature, device=device, dtype=torch.float32)
@@ -55,8 +55,7 @@ def time_cuda_graph(w1: np.ndarray, w2: np.ndarray, base_logits: np.ndarray, anc
   tokens = torch.empty((batch, gamma), device=device, dtype=torch.long)
   corrected = torch.empty((batch, gamma, vocab), device=device, dtype=dtype)
   noise = torch.empty((batch, vocab), device=device, dtype=torch.float32)
-  generator = torch.Generator(device=device)
-  generator.manual_seed(0)
+  torch.cuda.manual_seed(0)  # the default CUDA generator is registered with graph capture
 
   def loop():
     prev = anchor_t
@@ -65,7 +64,7 @@ def time_cuda_graph(w1: np.ndarray, w2: np.ndarray, base_logits: np.ndarray, anc
       logits = (base[:, k].float() + bias.float()).to(dtype)
       corrected[:, k] = logits
       probs = torch.softmax(logits.float() * inv_t[:, None], dim=-1)
-      noise.exponential_(generator=generator)
+      noise.exponential_()
       sampled = torch.argmax(probs / noise, dim=-1)
       prev = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
       tokens[:, k] = prev

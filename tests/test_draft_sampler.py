@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import draft_sampler, memory_gate
+from dspark_jax import draft_sampler, memory_gate, proposal
 from tests import helpers
 
 GAMMA, VOCAB, RANK, HIDDEN = 4, 96, 8, 6
@@ -198,6 +198,11 @@ def test_build_rejects_bad_arguments():
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=95, gamma=2)
   with pytest.raises(ValueError, match="gamma: must be >= 1"):
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=0)
+  with pytest.raises(ValueError, match="form: expected \"auto\" or one of"):
+    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, form="fused")
+  with pytest.raises(ValueError, match="form: \"pallas\" needs a vocab divisible by 16, got 90"):
+    dj.build_draft_sampler(helpers.make_head("vanilla", 90, RANK, HIDDEN), max_batch_size=2,
+                           vocab_size=90, gamma=2, form="pallas")
   with pytest.raises(ValueError, match="logits_dtype"):
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, logits_dtype=jnp.int32)
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(HIDDEN))
@@ -206,3 +211,13 @@ def test_build_rejects_bad_arguments():
   vanilla = dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2,
                                    logits_dtype=jnp.float32, confidence_head=conf, hidden_size=HIDDEN)
   assert vanilla.hidden_size == HIDDEN
+
+
+def test_auto_form_policy():
+  # The measured choice (BENCHMARKS.md, issue 6); "loop" off the GPU.
+  choose = proposal.choose_form
+  assert choose(False, 128, 129280, "cpu") == "loop" and choose(True, 1, 129280, "cpu") == "loop"
+  assert choose(True, 1, 129280, "gpu") == "unrolled"
+  assert choose(False, 8, 129280, "gpu") == "loop"
+  assert choose(False, 64, 151936, "gpu") == "pallas"
+  assert choose(False, 64, 95, "gpu") == "loop"  # no 16-column tile divides V

@@ -18,7 +18,8 @@ def _mixed_pattern(vocab, rng):
   return rows, np.stack(logits)
 
 
-@pytest.mark.parametrize("vocab,copies", [(7, 40_000), (100, 40_000), (1000, 30_000)])
+@pytest.mark.parametrize("vocab,copies", [(7, 40_000), (100, 40_000), (1000, 30_000),
+                                          (384, 30_000)])
 def test_sample_step_matches_softmax_in_mixed_batch(vocab, copies):
   # N = `copies` samples per pattern row (independent seeds). Statistic: Pearson chi-square of the
   # token counts against softmax(L / T) (bins with expected count < 5 pooled). Threshold p >= 1e-3.
@@ -127,19 +128,49 @@ def test_streams_are_distinct_and_keys_are_pure():
       draft, jax.random.key_data(sampling.row_keys(raw, seeds, positions, dj.Stream.DRAFT)))
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu",
-                    reason="XLA:GPU's fusion choice varies with shape; scripts/bench_sampler.py "
-                           "reports it per benchmark shape")
-def test_noise_is_generated_inside_the_argmax():
-  # No [B, V] float32 noise buffer: XLA's memory analysis of the compiled step must show less
-  # temporary memory than one such buffer (the threefry generator would need several).
-  batch, vocab = 8, 50_000
+def _random_bits_shapes(jaxpr, found):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "random_bits":
+      found.append(eqn.outvars[0].aval.shape)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", None)
+      if inner is not None:
+        _random_bits_shapes(getattr(inner, "jaxpr", inner), found)
+  return found
+
+
+@pytest.mark.parametrize("vocab,tile", [(129280, 128), (151936, 128), (50_000, 16), (7, 1)])
+def test_two_level_sampler_draws_tiles_plus_tile_width_noise(vocab, tile):
+  # The point of the two-level form: V/c + c Gumbel draws per sampled row, not V.
+  assert sampling.vocab_tile(vocab) == tile
+  batch = 4
   params = dj.SamplingParams(temperature=np.full(batch, 0.9))
-  compiled = sampling._sample_step.lower(
-      jnp.zeros((batch, vocab), jnp.bfloat16), params, jax.random.key(0),
-      jnp.arange(batch), int(dj.Stream.DRAFT)).compile()
-  temp = compiled.memory_analysis().temp_size_in_bytes
-  assert temp < batch * vocab * 4, f"temporaries {temp} B >= a [B, V] f32 buffer"
+  jaxpr = jax.make_jaxpr(lambda logits, key, pos: sampling._sample_step(logits, params, key, pos, 0))(
+      jax.ShapeDtypeStruct((batch, vocab), jnp.bfloat16), jax.random.key(0), jnp.arange(batch))
+  noise = [s for s in _random_bits_shapes(jaxpr.jaxpr, []) if len(s) == 2 and s[1] != 2]
+  assert noise == [(batch, vocab // tile + tile)]
+
+
+@pytest.mark.parametrize("vocab", [256, 384, 100])
+def test_tile_stats_match_float64(vocab):
+  rng = np.random.default_rng(vocab)
+  logits = rng.normal(0, 4, size=(5, vocab)).astype(np.float32)
+  logits[1, :] = -np.inf
+  logits[2, : vocab // 2] = -np.inf   # whole -inf tiles next to normal ones
+  logits[3, 7] = np.nan
+  logits[4, 3] = np.inf
+  temperature = np.array([0.7, 1.0, 2.0, 1.0, 1.0], np.float32)
+  tile_max, tile_arg, mass = (np.asarray(a) for a in sampling.tile_stats(
+      jnp.asarray(logits), jnp.asarray(temperature)))
+  tile = sampling.vocab_tile(vocab)
+  x = logits.astype(np.float64).reshape(5, -1, tile)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    want = np.log(np.sum(np.exp(x / temperature[:, None, None]), axis=-1))
+  np.testing.assert_allclose(mass[[0, 2]], want[[0, 2]], rtol=1e-6)
+  assert np.all(mass[1] == -np.inf) and mass[4, 3 // tile] == np.inf
+  assert np.isnan(mass[3, 7 // tile]) and np.isnan(tile_max[3, 7 // tile])
+  assert tile_arg[3, 7 // tile] == 7
+  np.testing.assert_array_equal(tile_arg[0], np.argmax(x[0], -1) + np.arange(x.shape[1]) * tile)
 
 
 @pytest.mark.parametrize("bad,match", [
