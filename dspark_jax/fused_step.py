@@ -51,17 +51,23 @@ def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
-  in_batch = (row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)) < batch
+  row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)
+  in_batch = row_ids < batch
   window = (row_slice, jnp.int32(step), cols)
+
+  def load_v(columns, width):  # rows past the batch read as zeros: v is not padded
+    mask = (row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)) < batch
+    return plgpu.load(v_ref.at[row_slice, columns], mask=mask, other=0.0)
+
   base = plgpu.load(base_ref.at[window], mask=in_batch, other=0.0)
   precision = jax.lax.Precision.HIGHEST if w2_ref.dtype == jnp.float32 else None  # no TF32
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
   if k_chunk is None:
-    bias = dot(v_ref[row_slice, :], w2_ref[:, cols])
+    bias = dot(load_v(pl.ds(0, w2_ref.shape[0]), w2_ref.shape[0]), w2_ref[:, cols])
   else:  # a loop over rank chunks lets Triton pipeline the W2 loads
     def partial_bias(kk, acc):
       chunk = pl.ds(kk * k_chunk, k_chunk)
-      return acc + dot(v_ref[row_slice, chunk], w2_ref[chunk, cols])
+      return acc + dot(load_v(chunk, k_chunk), w2_ref[chunk, cols])
     bias = jax.lax.fori_loop(0, w2_ref.shape[0] // k_chunk, partial_bias,
                              jnp.zeros((rows, tile), jnp.float32))
   corrected = (base.astype(jnp.float32) + bias).astype(base_ref.dtype)
@@ -77,10 +83,12 @@ def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_
   first_best = jnp.min(jnp.where(clean == best[:, None], columns, big), axis=1)
   first_nan = jnp.min(jnp.where(is_nan, columns, big), axis=1)
   tile_max = jnp.where(any_nan, jnp.nan, best)
-  max_ref[j, row_slice] = tile_max
-  arg_ref[j, row_slice] = jnp.where(any_nan, first_nan, first_best)
+  # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
+  max_ref[row_slice, j] = tile_max
+  arg_ref[row_slice, j] = jnp.where(any_nan, first_nan, first_best)
   if mass_ref is not None:
-    mass_ref[j, row_slice] = sampling.tile_log_mass(x, tile_max, temp_ref[row_slice])
+    temperature = plgpu.load(temp_ref.at[row_slice], mask=row_ids[:, 0] < batch, other=1.0)
+    mass_ref[row_slice, j] = sampling.tile_log_mass(x, tile_max, temperature)
 
 
 def _kernel(v_ref, w2_ref, base_ref, temp_ref, *refs, tiles, tiles_per_program, greedy_only,
@@ -142,9 +150,9 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
   rows = rows or row_block(batch)
   blocks = -(-batch // rows)
   padded = blocks * rows
-  v = jnp.pad(v.astype(w2.dtype), ((0, padded - batch), (0, 0)))
-  temperature = jnp.pad(temperature.astype(jnp.float32), (0, padded - batch), constant_values=1.0)
-  stat = lambda dtype: jax.ShapeDtypeStruct((vocab // tile, padded), dtype)
+  v = v.astype(w2.dtype)
+  temperature = temperature.astype(jnp.float32)
+  stat = lambda dtype: jax.ShapeDtypeStruct((padded, vocab // tile), dtype)
   out_shape = [stat(jnp.float32), stat(jnp.int32)]
   inputs = [v, w2, base_logits, temperature]
   aliases = {}
@@ -172,6 +180,6 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
   )(*inputs)
   if greedy_only:
     tile_max, tile_arg = outs
-    return None, tile_max[:, :batch].T, tile_arg[:, :batch].T, None
+    return None, tile_max[:batch], tile_arg[:batch], None
   corrected, tile_max, tile_arg, mass = outs
-  return corrected, tile_max[:, :batch].T, tile_arg[:, :batch].T, mass[:, :batch].T
+  return corrected, tile_max[:batch], tile_arg[:batch], mass[:batch]

@@ -18,6 +18,7 @@ XLA flags are process-wide: run again under another ``XLA_FLAGS`` to compare the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -44,6 +45,60 @@ def bandwidth(nbytes):
   return 2 * nbytes / b2b_seconds(jax.jit(lambda a: a + 1), (x,), calls=5)
 
 
+PART_OPTIONS = {"default": (), "k64s3": (("k_chunk", 64), ("num_stages", 3)),
+                "t4s3": (("tiles_per_program", 4), ("num_stages", 3))}
+
+
+def parts(vocabs, batches, gamma, rank, dtype, repeats):
+  """Per (V, B): the γ kernels alone under several settings (no token choice in between, so no
+  glue), then whole programs (pallas, unrolled, loop forms): the difference is the glue's cost."""
+  from dspark_jax import fused_step
+  interpret = jax.default_backend() == "cpu"
+  for vocab in vocabs:
+    head = heads.MarkovHead.random("vanilla", vocab_size=vocab, rank=rank, rngs=nnx.Rngs(0),
+                                   dtype=dtype)
+    w2 = head.arrays()["w2"]
+    for batch in batches:
+      base = (3.0 * jax.random.normal(jax.random.key(1), (batch, gamma, vocab))).astype(dtype)
+      vs = jax.random.normal(jax.random.key(2), (gamma, batch, rank), jnp.float32)
+      temperature = jnp.full((batch,), 0.8, jnp.float32)
+      floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / SPEC_BANDWIDTH
+      cells = []
+
+      def kernels(vs, w2, base, temperature, greedy_only, options):
+        corrected, acc = None, 0.0
+        for k in range(gamma):  # a different v per step: nothing for XLA to share between steps
+          corrected, tile_max, _, _ = fused_step.step_stats(
+              vs[k], w2, base, temperature, corrected, step=k, greedy_only=greedy_only,
+              interpret=interpret, **dict(options))
+          acc = acc + tile_max[0, 0]
+        return acc, corrected
+
+      for name, options in PART_OPTIONS.items():
+        for greedy_only in (True, False):
+          fn = jax.jit(functools.partial(kernels, greedy_only=greedy_only, options=options))
+          fargs = (vs, w2, base, temperature)
+          try:
+            seconds = b2b_seconds(fn.lower(*fargs).compile(), fargs, repeats=repeats)
+            cells.append(f"kern {'g' if greedy_only else 's'} {name} {seconds * 1e6:.1f} "
+                         f"({seconds / floor:.2f})")
+          except Exception as error:
+            cells.append(f"kern {name} error {type(error).__name__}: {str(error)[:150]}")
+      temp = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
+      r = proposal.block_arrays(sp.SamplingParams(temperature=temp), np.arange(batch) % vocab,
+                                np.full(batch, 1000))
+      call_args = (head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"],
+                   r["seeds"], r["positions"], jax.random.key(0))
+      for form, greedy_only in (("pallas", False), ("pallas", True), ("loop", False),
+                                ("unrolled", True)):
+        compiled = proposal.folded_block.lower(*call_args, kind="vanilla", greedy_only=greedy_only,
+                                               form=form).compile()
+        seconds = b2b_seconds(compiled, call_args, repeats=repeats)
+        cells.append(f"{form} {'greedy' if greedy_only else 'sampling'} {seconds * 1e6:.1f} "
+                     f"({seconds / floor:.2f})")
+      print(f"V={vocab} B={batch} floor {floor * 1e6:.1f}: " + " | ".join(cells), flush=True)
+
+
 SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
 
 
@@ -51,8 +106,12 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--tune", action="store_true")
+  parser.add_argument("--parts", action="store_true",
+                      help="time the parts of a step instead: 7 kernels alone, 7 cuBLAS products")
   parser.add_argument("--forms", default="loop,unrolled,pallas")
   parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--only", help="comma-separated variant names to keep, e.g. 'loop sampling'")
+  parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
   args = parser.parse_args(argv)
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
@@ -69,6 +128,12 @@ def main(argv=None):
   else:
     variants = [(f"{form} {'greedy' if g else 'sampling'}", form, (), g)
                 for form in args.forms.split(",") for g in (False, True)]
+  if args.batches:
+    batches = [int(b) for b in args.batches.split(",")]
+  if args.only:
+    variants = [v for v in variants if v[0] in args.only.split(",")]
+  if args.parts:
+    return parts(vocabs[:1], batches, gamma, rank, dtype, args.repeats)
   bw = bandwidth(64 * 2**20 if args.small else 2**30)
   floor_bw = bw if args.small else SPEC_BANDWIDTH
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS="
