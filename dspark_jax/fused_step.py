@@ -87,7 +87,8 @@ def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_
   max_ref[row_slice, j] = tile_max
   arg_ref[row_slice, j] = jnp.where(any_nan, first_nan, first_best)
   if mass_ref is not None:
-    temperature = plgpu.load(temp_ref.at[row_slice], mask=row_ids[:, 0] < batch, other=1.0)
+    valid = (row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)) < batch
+    temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
     mass_ref[row_slice, j] = sampling.tile_log_mass(x, tile_max, temperature)
 
 
@@ -121,7 +122,7 @@ def _kernel(v_ref, w2_ref, base_ref, temp_ref, *refs, tiles, tiles_per_program, 
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "interpret"))
 def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only, rows=None,
-               num_warps=None, num_stages=None, k_chunk=None, tiles_per_program=1,
+               num_warps=None, num_stages=3, k_chunk=64, tiles_per_program=1,
                interpret=False):
   """Runs the kernel for block position `step`.
 
@@ -134,8 +135,10 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
       it (its other slices are then unwritten); ignored by the greedy-only variant.
     step: static block position. greedy_only: no corrected logits, no log-masses.
     rows: static rows per kernel instance (default `row_block(B)`).
-    num_warps, num_stages: Triton's, or None for its defaults.
-    k_chunk: static rank chunk of the in-kernel loop over r (None: one dot over all of r).
+    num_warps, num_stages: Triton's (None: its default); 3 stages pipeline the W2 loads.
+    k_chunk: static rank chunk of the in-kernel loop over r (None: one dot over all of r). 64
+      with 3 stages measured fastest on an H200 (BENCHMARKS.md); a rank it does not divide falls
+      back to one dot.
     tiles_per_program: vocabulary tiles one kernel instance walks through (a smaller grid).
     interpret: run in Pallas' interpreter (CPU).
 
@@ -148,6 +151,8 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
   if tile < MIN_TILE:
     raise ValueError(f"w2: vocab {vocab} has no power-of-two tile >= {MIN_TILE}; use the XLA form")
   rows = rows or row_block(batch)
+  if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
+    k_chunk = None
   blocks = -(-batch // rows)
   padded = blocks * rows
   v = v.astype(w2.dtype)

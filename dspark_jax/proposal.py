@@ -122,6 +122,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
   interpret = jax.default_backend() == "cpu"
+  if not greedy_only:  # every step's noise up front: one small program, not γ chains of them
+    tile = sampling.vocab_tile(base_logits.shape[2])
+    steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
+    keys = sampling.row_keys(key, jnp.broadcast_to(seeds, steps.shape).reshape(-1),
+                             steps.reshape(-1), sampling.Stream.DRAFT).reshape(steps.shape)
+    noise = sampling.tile_noise(keys, base_logits.shape[2] // tile, tile)   # [γ, B, V/c + c]
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
     v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
@@ -131,9 +137,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     if greedy_only:
       prev = sampling._reduce_first_max(tile_max, tile_arg, 1)[1]
     else:
-      keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
-      prev = sampling.tokens_from_tile_stats(corrected[:, k], tile_max, tile_arg, tile_mass, greedy,
-                                             temperature, keys)
+      prev = sampling.tokens_from_tile_stats(corrected, tile_max, tile_arg, tile_mass, greedy,
+                                             temperature, noise[k], step=k)
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))

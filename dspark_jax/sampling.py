@@ -176,26 +176,40 @@ def tile_stats(logits: jax.Array, temperature: jax.Array
   return tile_max, tile_argmax, tile_log_mass(x, tile_max, temperature[:, None])
 
 
+def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
+  """[..., tiles + tile] float32 Gumbel(0, 1) noise of the two-level sampler, per key of [...] keys.
+
+  The first `tiles` values choose the tile, the last `tile` the column inside it.
+  """
+  flat = keys.reshape(-1)
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, (tiles + tile,), jnp.float32))(flat)
+  return noise.reshape(*keys.shape, tiles + tile)
+
+
 def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: jax.Array,
                            tile_mass: jax.Array, greedy: jax.Array, temperature: jax.Array,
-                           keys: jax.Array) -> jax.Array:
+                           noise: jax.Array, *, step: int | None = None) -> jax.Array:
   """Steps 2-3 of the two-level sampler (module docstring), and the greedy rows' argmax.
 
   Args:
-    logits: [B, V] the logits the statistics were taken of (only the chosen tile of a sampled row is
-      read again).
+    logits: [B, V] the logits the statistics were taken of, or [B, γ, V] with `step` naming the
+      row's slice (only the chosen tile of a sampled row is read again, so no slice is copied).
     tile_max, tile_argmax, tile_mass: [B, V/c] from `tile_stats` (or the Pallas kernel).
-    greedy: [B] bool. temperature: [B] float32 (clamped). keys: [B] keys from `row_keys`.
+    greedy: [B] bool. temperature: [B] float32 (clamped).
+    noise: [B, V/c + c] from `tile_noise` with the rows' keys (`row_keys`).
 
   Returns:
     [B] int32 tokens.
   """
   tiles = tile_max.shape[1]
-  tile = logits.shape[1] // tiles
+  tile = logits.shape[-1] // tiles
   _, greedy_tokens_ = _reduce_first_max(tile_max, tile_argmax, 1)
-  noise = jax.vmap(lambda k: jax.random.gumbel(k, (tiles + tile,), jnp.float32))(keys)
   start = argmax_last(tile_mass + noise[:, :tiles]) * tile
-  window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, start)
+  if step is None:
+    window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, start)
+  else:
+    window = jax.vmap(lambda rows, s: jax.lax.dynamic_slice(rows, (step, s), (1, tile))[0])(
+        logits, start)
   within = argmax_last(window.astype(jnp.float32) / temperature[:, None] + noise[:, tiles:])
   return jnp.where(greedy, greedy_tokens_, start + within)
 
@@ -213,8 +227,9 @@ def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, 
   Returns:
     [B] int32 tokens.
   """
-  return tokens_from_tile_stats(logits, *tile_stats(logits, temperature), greedy, temperature,
-                                keys)
+  stats = tile_stats(logits, temperature)
+  noise = tile_noise(keys, stats[0].shape[1], logits.shape[1] // stats[0].shape[1])
+  return tokens_from_tile_stats(logits, *stats, greedy, temperature, noise)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:

@@ -41,8 +41,13 @@ def b2b_seconds(fn, args, repeats=20, warmup=3, calls=10):
 
 
 def bandwidth(nbytes):
+  """Copy rate (bytes read + written per second); runs ~2 s of copies first so clocks settle."""
   x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  return 2 * nbytes / b2b_seconds(jax.jit(lambda a: a + 1), (x,), calls=5)
+  copy = jax.jit(lambda a: a + 1)
+  for _ in range(2000 if jax.default_backend() == "gpu" else 1):
+    y = copy(x)
+  jax.block_until_ready(y)
+  return 2 * nbytes / b2b_seconds(copy, (x,), calls=5)
 
 
 PART_OPTIONS = {"default": (), "k64s3": (("k_chunk", 64), ("num_stages", 3)),
@@ -91,9 +96,13 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
                    r["seeds"], r["positions"], jax.random.key(0))
       for form, greedy_only in (("pallas", False), ("pallas", True), ("loop", False),
                                 ("unrolled", True)):
-        compiled = proposal.folded_block.lower(*call_args, kind="vanilla", greedy_only=greedy_only,
-                                               form=form).compile()
-        seconds = b2b_seconds(compiled, call_args, repeats=repeats)
+        try:
+          compiled = proposal.folded_block.lower(*call_args, kind="vanilla",
+                                                 greedy_only=greedy_only, form=form).compile()
+          seconds = b2b_seconds(compiled, call_args, repeats=repeats)
+        except Exception as error:
+          cells.append(f"{form} error {type(error).__name__}: {str(error)[:150]}")
+          continue
         cells.append(f"{form} {'greedy' if greedy_only else 'sampling'} {seconds * 1e6:.1f} "
                      f"({seconds / floor:.2f})")
       print(f"V={vocab} B={batch} floor {floor * 1e6:.1f}: " + " | ".join(cells), flush=True)
@@ -132,9 +141,9 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
   if args.only:
     variants = [v for v in variants if v[0] in args.only.split(",")]
+  bw = bandwidth(64 * 2**20 if args.small else 2**30)
   if args.parts:
     return parts(vocabs[:1], batches, gamma, rank, dtype, args.repeats)
-  bw = bandwidth(64 * 2**20 if args.small else 2**30)
   floor_bw = bw if args.small else SPEC_BANDWIDTH
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS="
         f"{os.environ.get('XLA_FLAGS', '')!r}, copy {bw / 1e12:.2f} TB/s measured, floor at "
