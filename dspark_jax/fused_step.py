@@ -13,7 +13,10 @@ kernel per (row block, vocabulary tile) does it all while the tile is in registe
 
 The statistics are all `sampling.tokens_from_tile_stats` needs: greedy rows reduce the (max, argmax)
 pairs, sampled rows draw a tile from the log-masses and then a token inside it (two-level Gumbel-max,
-see `sampling`). So HBM sees W2, U_k and the corrected logits once each per step: the floor's traffic.
+see `sampling`). So HBM sees W2, U_k and the corrected logits once each per step: the floor's traffic
+(row blocks after the first find their W2 tile in L2: they run next to each other). Measured on an
+H200, the γ kernels alone run at 1.45-2.2x that floor and the whole folded program at 2-5x
+(BENCHMARKS.md, issue 6): the small XLA programs that pick each token cost the difference.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a

@@ -43,22 +43,23 @@ PATH_FOLDED_SAMPLING = "folded-sampling"
 PATH_FOLDED_GREEDY = "folded-greedy"
 PATH_EAGER = "eager"
 FORMS = ("loop", "unrolled", "pallas")
-AUTO_PALLAS_MIN_BATCH = 64  # below this the kernel's per-step overhead outweighs its saved traffic
+AUTO_PALLAS_GREEDY_MIN_BATCH = 64  # below it the unrolled XLA form ties or wins (BENCHMARKS.md)
 
 
 def choose_form(greedy_only: bool, batch: int, vocab: int, platform: str | None = None) -> str:
   """The form ``form="auto"`` resolves to: the fastest measured on an H200 (BENCHMARKS.md, issue 6).
 
-  On GPUs: greedy-only -> "unrolled"; sampling -> "pallas" from `AUTO_PALLAS_MIN_BATCH` rows (when
-  the vocabulary suits the kernel), else "loop". Elsewhere "loop" (the interpreter is for tests).
+  On GPUs, when the vocabulary suits the kernel (`fused_step.supports`): the sampling variant ->
+  "pallas"; greedy-only -> "pallas" from `AUTO_PALLAS_GREEDY_MIN_BATCH` rows, else "unrolled".
+  Other vocabularies: sampling -> "loop", greedy-only -> "unrolled". Off the GPU: "loop" (Pallas'
+  interpreter is for tests only).
   """
   if (platform or jax.default_backend()) != "gpu":
     return "loop"
+  kernel_fits = fused_step.supports(vocab)
   if greedy_only:
-    return "unrolled"
-  if batch >= AUTO_PALLAS_MIN_BATCH and fused_step.supports(vocab):
-    return "pallas"
-  return "loop"
+    return "pallas" if kernel_fits and batch >= AUTO_PALLAS_GREEDY_MIN_BATCH else "unrolled"
+  return "pallas" if kernel_fits else "loop"
 
 
 @struct.dataclass
