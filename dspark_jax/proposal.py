@@ -136,7 +136,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
         v, head_params["w2"], base_logits, temperature, corrected, step=k,
         greedy_only=greedy_only, interpret=interpret, **dict(pallas_options))
     if greedy_only:
-      prev = sampling._reduce_first_max(tile_max, tile_arg, 1)[1]
+      prev = sampling.greedy_from_tile_stats(tile_max, tile_arg)
     else:
       prev = sampling.tokens_from_tile_stats(corrected, tile_max, tile_arg, tile_mass, greedy,
                                              temperature, noise[k], step=k)
@@ -152,12 +152,13 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
                  positions, key, *, kind, greedy_only, form="auto", pallas_options=()):
   """The folded γ-step loop as one program; arrays only (see `sample_block` for the meaning).
 
-  `form` (static, ``"auto"`` (`choose_form`) or one of `FORMS`): ``"loop"`` runs a `lax.fori_loop` writing the outputs in place;
-  ``"unrolled"`` traces the γ steps one after another (no device-side loop condition, no
-  zero-initialised buffers; the outputs are stacked); ``"pallas"`` is unrolled with one `fused_step`
-  kernel per step (needs V divisible by 16; Pallas' interpreter on the CPU, slow: for tests).
-  `pallas_options`: static ``((name, value), ...)`` tuning passed to `fused_step.step_stats`
-  (``rows``, ``num_warps``).
+  `form` (static): ``"auto"`` (`choose_form`) or one of `FORMS`. ``"loop"`` runs a `lax.fori_loop`
+  writing the outputs in place; ``"unrolled"`` traces the γ steps one after another (no device-side
+  loop condition, no zero-initialised buffers; the outputs are stacked); ``"pallas"`` is unrolled
+  with one `fused_step` kernel per step (needs V divisible by 16; on the CPU it runs in Pallas'
+  interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
+  `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
+  ``tiles_per_program``).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

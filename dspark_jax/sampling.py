@@ -17,17 +17,18 @@ This module owns two things:
      ``P(i | t*) = e^{logits_i/T - S_t*}``.
 
   The product is ``softmax(logits / T)_i`` exactly: the Gumbel-max trick applied twice. It needs
-  ``V/c + c`` noise draws per row instead of ``V``: per-element noise (a 10-round Philox per logit)
-  made one sampling step compute-bound on an H200 at large batches, while the tile statistics cost one
-  ``exp`` per logit and fuse into the pass that produces the logits (`fused_step` computes them inside
-  its Pallas kernel). Greedy rows reduce per-tile ``(max, first argmax)`` pairs. The noise comes from a
-  per-row Philox-4x32 key.
+  ``V/c + c`` noise draws per row instead of ``V``. Per-logit noise costs a 10-round Philox, about 80
+  integer operations per logit, which at B = 128 is as much integer work per step as the step's
+  whole memory floor allows for. The tile statistics cost one ``exp`` per logit, and a kernel can
+  compute them while it produces the logits (`fused_step` does, in Pallas). Greedy rows reduce per-tile
+  ``(max, first argmax)`` pairs. The noise comes from a per-row Philox-4x32 key.
 
 Edge cases, defined here and tested:
 
 * a row whose logits are all ``-inf`` returns token 0 (as SGLang does), greedy or sampled;
 * ``NaN`` logits: ``argmax`` treats NaN as the maximum, so the row returns the index of its first NaN,
-  always a valid token id; NaN never propagates into an out-of-range id.
+  always a valid token id; NaN never propagates into an out-of-range id;
+* a ``+inf`` logit is certain (the first ``+inf`` if there are several).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 from dspark_jax import sampling_params as sp
 
 NOISE_PRNG_IMPL = "philox4x32"
-"""The PRNG used for per-element noise (see the module docstring for why)."""
+"""The PRNG of the per-row noise keys: counter-based, with a plain elementwise lowering that fuses."""
 
 
 class Stream(enum.IntEnum):
@@ -186,6 +187,11 @@ def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
   return noise.reshape(*keys.shape, tiles + tile)
 
 
+def greedy_from_tile_stats(tile_max: jax.Array, tile_argmax: jax.Array) -> jax.Array:
+  """[B] int32 argmax of whole rows from their [B, V/c] per-tile (max, first argmax) pairs."""
+  return _reduce_first_max(tile_max, tile_argmax, 1)[1]
+
+
 def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: jax.Array,
                            tile_mass: jax.Array, greedy: jax.Array, temperature: jax.Array,
                            noise: jax.Array, *, step: int | None = None) -> jax.Array:
@@ -203,7 +209,7 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   """
   tiles = tile_max.shape[1]
   tile = logits.shape[-1] // tiles
-  _, greedy_tokens_ = _reduce_first_max(tile_max, tile_argmax, 1)
+  argmax_tokens = greedy_from_tile_stats(tile_max, tile_argmax)
   start = argmax_last(tile_mass + noise[:, :tiles]) * tile
   if step is None:
     window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, start)
@@ -211,7 +217,7 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
     window = jax.vmap(lambda rows, s: jax.lax.dynamic_slice(rows, (step, s), (1, tile))[0])(
         logits, start)
   within = argmax_last(window.astype(jnp.float32) / temperature[:, None] + noise[:, tiles:])
-  return jnp.where(greedy, greedy_tokens_, start + within)
+  return jnp.where(greedy, argmax_tokens, start + within)
 
 
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, keys: jax.Array
