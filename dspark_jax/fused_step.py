@@ -1,4 +1,5 @@
-"""One draft step as one Pallas kernel: the corrected logits and their tile statistics in one pass.
+"""A draft step in Pallas: the corrected logits and their tile statistics in one pass (`step_stats`),
+and optionally the token choice as a second kernel (`choose_tokens`).
 
 Step k of the block (SPEC §3) needs ``L_k = U_k + v_k @ W2`` (v_k from the Markov head), stored in the
 logits dtype, and then a token sampled from the stored values. Written in XLA, the bias ``v @ W2``
@@ -17,6 +18,12 @@ see `sampling`). So HBM sees W2, U_k and the corrected logits once each per step
 (row blocks after the first find their W2 tile in L2: they run next to each other). Measured on an
 H200, the γ kernels alone run at 1.45-2.2x that floor and the whole folded program at 2-5x
 (BENCHMARKS.md, issue 6): the small XLA programs that pick each token cost the difference.
+
+`choose_tokens` (opt-in, not yet measured on a GPU) does that token choice in a kernel: per row block
+it reduces the statistics in chunks of 128 tiles, draws the tile from noise drawn up front, reads
+the chosen tile of the stored logits again, draws the token, and gathers ``W1[token]`` for the next
+step's `step_stats`; so a vanilla head's step is two kernels and nothing else. It is bit-identical to
+`sampling.tokens_from_tile_stats` in the interpreter (tested).
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
@@ -49,6 +56,24 @@ def row_block(batch: int, limit: int = 64) -> int:
   return max(MIN_ROWS, min(limit, 1 << max(batch - 1, 0).bit_length()))
 
 
+_BIG_INDEX = np.iinfo(np.int32).max
+
+
+def _row_first_max(values, indices):
+  """Per row of [R, C]: (max, index of its first occurrence), a NaN beating everything (its first).
+
+  `sampling.argmax_last`'s semantics, in operations the Triton lowering has.
+  """
+  big = jnp.int32(_BIG_INDEX)
+  is_nan = jnp.isnan(values)
+  any_nan = jnp.max(is_nan.astype(jnp.int32), axis=1) > 0
+  clean = jnp.where(is_nan, -jnp.inf, values)
+  best = jnp.max(clean, axis=1)
+  first_best = jnp.min(jnp.where(clean == best[:, None], indices, big), axis=1)
+  first_nan = jnp.min(jnp.where(is_nan, indices, big), axis=1)
+  return jnp.where(any_nan, jnp.nan, best), jnp.where(any_nan, first_nan, first_best)
+
+
 def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_ref, mass_ref, *,
               row0, step, batch, rows, tile, k_chunk):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
@@ -78,17 +103,10 @@ def _one_tile(j, v_ref, w2_ref, base_ref, temp_ref, corrected_ref, max_ref, arg_
     plgpu.store(corrected_ref.at[window], corrected, mask=in_batch)
   x = corrected.astype(jnp.float32)
   columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
-  big = jnp.int32(np.iinfo(np.int32).max)
-  is_nan = jnp.isnan(x)
-  any_nan = jnp.max(is_nan.astype(jnp.int32), axis=1) > 0
-  clean = jnp.where(is_nan, -jnp.inf, x)
-  best = jnp.max(clean, axis=1)
-  first_best = jnp.min(jnp.where(clean == best[:, None], columns, big), axis=1)
-  first_nan = jnp.min(jnp.where(is_nan, columns, big), axis=1)
-  tile_max = jnp.where(any_nan, jnp.nan, best)
+  tile_max, tile_arg = _row_first_max(x, columns)
   # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
   max_ref[row_slice, j] = tile_max
-  arg_ref[row_slice, j] = jnp.where(any_nan, first_nan, first_best)
+  arg_ref[row_slice, j] = tile_arg
   if mass_ref is not None:
     valid = (row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)) < batch
     temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
@@ -123,10 +141,10 @@ def _kernel(v_ref, w2_ref, base_ref, temp_ref, *refs, tiles, tiles_per_program, 
 
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
-                                             "interpret"))
+                                             "batch", "keep_padding", "interpret"))
 def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only, rows=None,
-               num_warps=None, num_stages=3, k_chunk=64, tiles_per_program=1,
-               interpret=False):
+               num_warps=None, num_stages=3, k_chunk=64, tiles_per_program=1, batch=None,
+               keep_padding=False, interpret=False):
   """Runs the kernel for block position `step`.
 
   Args:
@@ -143,12 +161,15 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
       with 3 stages measured fastest on an H200 (BENCHMARKS.md); a rank it does not divide falls
       back to one dot.
     tiles_per_program: vocabulary tiles one kernel instance walks through (a smaller grid).
+    batch: static B when `v` carries padding rows past it (`choose_tokens`' output); default
+      ``v.shape[0]``. keep_padding: return the statistics with their padding rows ([P, V/c]).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
     ``(corrected [B, γ, V] | None, tile_max [B, V/c], tile_argmax [B, V/c], tile_mass [B, V/c] | None)``.
   """
-  batch, rank = v.shape
+  rank = v.shape[1]
+  batch = batch or v.shape[0]
   vocab = w2.shape[1]
   tile = sampling.vocab_tile(vocab)
   if tile < MIN_TILE:
@@ -186,8 +207,102 @@ def step_stats(v, w2, base_logits, temperature, corrected, *, step, greedy_only,
       compiler_params=plgpu.CompilerParams(**params) if params else None,
       interpret=interpret,
   )(*inputs)
+  cut = (lambda x: x) if keep_padding else (lambda x: x[:batch])
   if greedy_only:
     tile_max, tile_arg = outs
-    return None, tile_max[:batch], tile_arg[:batch], None
+    return None, cut(tile_max), cut(tile_arg), None
   corrected, tile_max, tile_arg, mass = outs
-  return corrected, tile_max[:batch], tile_arg[:batch], mass[:batch]
+  return corrected, cut(tile_max), cut(tile_arg), cut(mass)
+
+
+# ---- the token choice as a kernel (opt-in: ``pallas_options=(("fused_choice", True),)``) ----------
+
+CHOICE_CHUNK = 128  # tiles reduced per loop iteration of the choice kernel
+
+
+def _choice_kernel(max_ref, arg_ref, mass_ref, noise_ref, greedy_ref, temp_ref, corrected_ref,
+                   w1_ref, tokens_ref, e_ref, *, step, batch, rows, gamma, tile, greedy_only):
+  """One row block: reduce the tile statistics, draw tile and token, gather the next W1 rows."""
+  row0 = pl.program_id(0) * rows
+  row_slice = pl.ds(row0, rows)
+  row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  valid = row_ids < batch
+  tiles = max_ref.shape[1]
+  vocab = tiles * tile
+
+  def chunk(c, carry):
+    g_val, g_idx, s_val, s_idx = carry
+    cols = c * CHOICE_CHUNK + jax.lax.broadcasted_iota(jnp.int32, (rows, CHOICE_CHUNK), 1)
+    inside = cols < tiles
+    window = (row_slice, pl.ds(c * CHOICE_CHUNK, CHOICE_CHUNK))
+    tile_max = plgpu.load(max_ref.at[window], mask=inside, other=-jnp.inf)
+    tile_arg = plgpu.load(arg_ref.at[window], mask=inside, other=_BIG_INDEX)
+    # Masked columns carry -inf and the largest index, so they never win over a real column.
+    val, idx = _row_first_max(tile_max, jnp.where(inside, tile_arg, _BIG_INDEX))
+    g_val, g_idx = sampling.first_max_merge((g_val, g_idx), (val, idx))
+    if not greedy_only:
+      noise_mask = inside & valid[:, None]
+      score = (plgpu.load(mass_ref.at[window], mask=inside, other=-jnp.inf)
+               + plgpu.load(noise_ref.at[window], mask=noise_mask, other=0.0))
+      val, idx = _row_first_max(score, jnp.where(inside, cols, _BIG_INDEX))
+      s_val, s_idx = sampling.first_max_merge((s_val, s_idx), (val, idx))
+    return g_val, g_idx, s_val, s_idx
+
+  start = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.full((rows,), _BIG_INDEX, jnp.int32))
+  _, tokens, _, chosen = jax.lax.fori_loop(0, -(-tiles // CHOICE_CHUNK), chunk, start + start)
+  if not greedy_only:
+    # Inside the chosen tile: Gumbel-max over its logits (read again: one tile per row).
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
+    first = jnp.where(valid, chosen, 0) * tile
+    flat = (jnp.where(valid, row_ids, 0) * gamma + step) * vocab
+    logits = plgpu.load(corrected_ref.at[flat[:, None] + first[:, None] + lanes],
+                        mask=valid[:, None], other=0.0)
+    temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
+    noise = plgpu.load(noise_ref.at[row_slice, pl.ds(tiles, tile)], mask=valid[:, None], other=0.0)
+    _, within = _row_first_max(logits.astype(jnp.float32) / temperature[:, None] + noise, lanes)
+    greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
+    tokens = jnp.where(greedy, tokens, first + within)
+  tokens = jnp.where(valid, tokens, 0)
+  tokens_ref[row_slice] = tokens
+  rank = w1_ref.shape[1]
+  # A gather: every index an array of one shape (the interpreter has no mixed array/slice loads).
+  token_rows = jnp.broadcast_to(tokens[:, None], (rows, rank))
+  e_ref[row_slice, :] = plgpu.load(
+      w1_ref.at[token_rows, jax.lax.broadcasted_iota(jnp.int32, (rows, rank), 1)])
+
+
+@functools.partial(jax.jit, static_argnames=("step", "greedy_only", "rows", "batch", "interpret"))
+def choose_tokens(tile_max, tile_arg, tile_mass, noise, greedy, temperature, corrected, w1, *,
+                  step, greedy_only, batch, rows=None, interpret=False):
+  """`sampling.tokens_from_tile_stats` (and the greedy reduction) as one kernel, plus ``W1[tokens]``.
+
+  Args:
+    tile_max, tile_arg, tile_mass: [P, V/c] from `step_stats` (P >= B padded rows; `tile_mass`
+      ignored when `greedy_only`). noise: [B, V/c + c] (`sampling.tile_noise`).
+    greedy: [B] bool. temperature: [B] float32. corrected: [B, γ, V] (slice `step` is read).
+    w1: [V, r] the head's first matrix. step: static position. batch: static B.
+
+  Returns:
+    ``(tokens [P] int32 (rows past B are 0), e [P, r] = W1[tokens] in W1's dtype)``.
+  """
+  padded, tiles = tile_max.shape
+  rows = rows or row_block(batch)
+  vocab = w1.shape[0]
+  tile = vocab // tiles
+  gamma = 1 if greedy_only else corrected.shape[1]
+  unused = jnp.zeros((1, 1), jnp.float32)  # greedy-only reads no masses, noise or logits
+  unblocked = [pl.no_block_spec] * 8
+  inputs = (tile_max, tile_arg, unused if greedy_only else tile_mass,
+            unused if greedy_only else noise, greedy.astype(jnp.int32),
+            temperature.astype(jnp.float32), unused.reshape(-1) if greedy_only
+            else corrected.reshape(-1), w1)
+  return pl.pallas_call(
+      functools.partial(_choice_kernel, step=step, batch=batch, rows=rows, gamma=gamma, tile=tile,
+                        greedy_only=greedy_only),
+      grid=(padded // rows,),
+      in_specs=unblocked,
+      out_specs=[pl.no_block_spec] * 2,
+      out_shape=[jax.ShapeDtypeStruct((padded,), jnp.int32),
+                 jax.ShapeDtypeStruct((padded, w1.shape[1]), w1.dtype)],
+      interpret=interpret,
+  )(*inputs)

@@ -117,25 +117,46 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
 
 def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy, temperature,
                   seeds, positions, key, greedy_only, pallas_options):
-  """The γ steps unrolled, each one `fused_step` kernel plus the small token choice in XLA."""
-  batch, gamma, _ = base_logits.shape
+  """The γ steps unrolled, each one `fused_step` kernel plus the token choice.
+
+  The token choice runs in XLA, or with ``("fused_choice", True)`` in `pallas_options` as a second
+  kernel (`fused_step.choose_tokens`) that also gathers the next ``W1`` rows.
+  """
+  options = dict(pallas_options)
+  fused_choice = options.pop("fused_choice", False)
+  batch, gamma, vocab = base_logits.shape
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
   interpret = jax.default_backend() == "cpu"
+  noise = None
   if not greedy_only:  # every step's noise up front: one small program, not γ chains of them
-    tile = sampling.vocab_tile(base_logits.shape[2])
+    tile = sampling.vocab_tile(vocab)
     steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
     keys = sampling.row_keys(key, jnp.broadcast_to(seeds, steps.shape).reshape(-1),
                              steps.reshape(-1), sampling.Stream.DRAFT).reshape(steps.shape)
-    noise = sampling.tile_noise(keys, base_logits.shape[2] // tile, tile)   # [γ, B, V/c + c]
+    noise = sampling.tile_noise(keys, vocab // tile, tile)   # [γ, B, V/c + c]
+  e_rows = None  # [P, r] W1 rows of the previous tokens from the choice kernel (P >= B)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
-    v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+    if e_rows is None:
+      v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+    elif kind == "vanilla" and conf_params is None:
+      v, e = e_rows, None  # straight from one kernel to the next
+    else:
+      v, e, state = heads_lib.markov_vector_from_e(
+          kind, head_params, e_rows[:batch].astype(jnp.float32), hidden_k, state)
     corrected, tile_max, tile_arg, tile_mass = fused_step.step_stats(
         v, head_params["w2"], base_logits, temperature, corrected, step=k,
-        greedy_only=greedy_only, interpret=interpret, **dict(pallas_options))
-    if greedy_only:
+        greedy_only=greedy_only, batch=batch, keep_padding=fused_choice, interpret=interpret,
+        **options)
+    if fused_choice:
+      padded_tokens, e_rows = fused_step.choose_tokens(
+          tile_max, tile_arg, tile_mass, None if greedy_only else noise[k], greedy, temperature,
+          corrected, head_params["w1"], step=k, greedy_only=greedy_only, batch=batch,
+          rows=options.get("rows"), interpret=interpret)
+      prev = padded_tokens[:batch]
+    elif greedy_only:
       prev = sampling.greedy_from_tile_stats(tile_max, tile_arg)
     else:
       prev = sampling.tokens_from_tile_stats(corrected, tile_max, tile_arg, tile_mass, greedy,
@@ -158,7 +179,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   with one `fused_step` kernel per step (needs V divisible by 16; on the CPU it runs in Pallas'
   interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
-  ``tiles_per_program``).
+  ``tiles_per_program``), and ``fused_choice`` (the token choice as a kernel too; not yet measured on
+  a GPU, so not the default).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

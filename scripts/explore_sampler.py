@@ -1,13 +1,15 @@
 """Issue 6 exploration: the forms of the folded block sampler, timed side by side on one device.
 
 Lean on purpose (one device call covers every shape): for each (V, B) it compiles
-`proposal.folded_block` in each requested form (`proposal.FORMS`: loop, unrolled, pallas) and
-variant (sampling, greedy-only) and reports the median per-call time of back-to-back calls against
+`proposal.folded_block` in each requested form (`proposal.FORMS`: loop, unrolled, pallas; and
+"pallas+choice", the Pallas form with the token choice as a second kernel) and variant (sampling,
+greedy-only) and reports the median per-call time of back-to-back calls against
 the HBM floor ``γ·(r·V + 2·B·V)·2 bytes / 4.27 TB/s`` (SPEC §9; the copy rate measured here is
 printed too), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch has CUDA. Each form is
 checked once against the ``loop`` form (corrected logits and tokens).
 
-``--tune`` instead times the pallas form under several kernel settings (rows per instance, warps).
+``--tune`` instead times the pallas form under several kernel settings (rows per instance, warps,
+stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole programs.
 XLA flags are process-wide: run again under another ``XLA_FLAGS`` to compare them.
 
   PYTHONPATH=. python3 scripts/explore_sampler.py                # GPU, the issue's shapes
@@ -117,7 +119,7 @@ def main(argv=None):
   parser.add_argument("--tune", action="store_true")
   parser.add_argument("--parts", action="store_true",
                       help="time the parts of a step instead: 7 kernels alone, 7 cuBLAS products")
-  parser.add_argument("--forms", default="loop,unrolled,pallas")
+  parser.add_argument("--forms", default="loop,unrolled,pallas,pallas+choice")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--only", help="comma-separated variant names to keep, e.g. 'loop sampling'")
   parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
@@ -135,7 +137,9 @@ def main(argv=None):
                  + (" greedy" if g else " sampling"), "pallas", o, g)
                 for o in settings for g in (False, True)]
   else:
-    variants = [(f"{form} {'greedy' if g else 'sampling'}", form, (), g)
+    # "pallas+choice": the Pallas form with the token choice as a second kernel (fused_choice).
+    variants = [(f"{form} {'greedy' if g else 'sampling'}", form.split("+")[0],
+                 (("fused_choice", True),) if form.endswith("+choice") else (), g)
                 for form in args.forms.split(",") for g in (False, True)]
   if args.batches:
     batches = [int(b) for b in args.batches.split(",")]

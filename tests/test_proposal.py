@@ -155,9 +155,13 @@ def test_sample_block_rejects_bad_inputs(edit, match):
     dj.sample_block(head, **edit(_inputs()))
 
 
+FUSED_CHOICE = (("fused_choice", True),)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("form", ["unrolled", "pallas"])
-def test_every_folded_form_equals_the_loop(kind, form):
+@pytest.mark.parametrize("form,options", [("unrolled", ()), ("pallas", ()),
+                                          ("pallas", FUSED_CHOICE)])
+def test_every_folded_form_equals_the_loop(kind, form, options):
   # On the CPU the forms are bit-identical (the kernel runs in Pallas' interpreter); on a GPU the
   # kernel sums v @ W2 in its own order, so corrected logits agree to bf16 rounding and tokens may
   # differ at near-ties (the law is checked separately: test_pallas_form_block_law).
@@ -173,7 +177,7 @@ def test_every_folded_form_equals_the_loop(kind, form):
     outs = [proposal.folded_block(
         head.arrays(), conf.arrays(), base, rows["anchor"], h, rows["greedy"], rows["temperature"],
         rows["seeds"], rows["positions"], jax.random.key(4), kind=kind, greedy_only=greedy_only,
-        form=f) for f in ("loop", form)]
+        form=f, pallas_options=o) for f, o in (("loop", ()), (form, options))]
     for a, b in zip(*outs):
       assert (a is None) == (b is None)
       if a is not None:
@@ -184,8 +188,9 @@ def test_every_folded_form_equals_the_loop(kind, form):
                                      rtol=2**-7, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind,temperature", [("vanilla", 1.0), ("gated", 0.6)])
-def test_pallas_form_block_law(kind, temperature):
+@pytest.mark.parametrize("kind,temperature,options", [("vanilla", 1.0, ()), ("gated", 0.6, ()),
+                                                      ("vanilla", 0.8, FUSED_CHOICE)])
+def test_pallas_form_block_law(kind, temperature, options):
   # The kernel form's own law (on a GPU its arithmetic differs from XLA's; on the CPU it runs in the
   # interpreter). N = 60,000 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so
   # the two-level draw crosses tiles), γ = 2: the law of (x1, x2) over 2,304 outcomes. Statistic:
@@ -204,7 +209,8 @@ def test_pallas_form_block_law(kind, temperature):
   tokens, corrected, _ = proposal.folded_block(
       head.arrays(), None, jnp.broadcast_to(base, (rows, gamma, vocab)), r["anchor"],
       jnp.broadcast_to(h, (rows, gamma, hidden)), r["greedy"], r["temperature"], r["seeds"],
-      r["positions"], jax.random.key(9), kind=kind, greedy_only=False, form="pallas")
+      r["positions"], jax.random.key(9), kind=kind, greedy_only=False, form="pallas",
+      pallas_options=options)
   tokens = np.asarray(tokens)
   path = []
   for _ in range(gamma):
@@ -217,3 +223,31 @@ def test_pallas_form_block_law(kind, temperature):
                    what=f"pallas {kind} block law")
   stats.assert_rejects(counts, reference.block_law(kind, arrays, base, anchor, h, 1.15 * temperature),
                        what=f"pallas {kind} vs 1.15 T")
+
+
+def test_fused_choice_over_many_tiles_with_edge_rows():
+  # V = 2064 = 129 tiles of 16: the choice kernel reduces the tiles in two chunks of 128, the second
+  # holding one real tile. Rows: all -inf, a NaN in the last tile, exact ties across chunks, normal
+  # rows; greedy and sampled. Tokens and logits must equal the loop form's bit for bit (CPU).
+  batch, gamma, vocab, rank = 8, 2, 2064, 16
+  head = helpers.make_head("vanilla", vocab, rank, 4)
+  rng = np.random.default_rng(12)
+  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
+  base[0:2] = -np.inf
+  base[2:4, :, 2060] = np.nan
+  base[4:6] = 0.0
+  base[4:6, :, [5, 2050]] = 50.0  # a tie between the first and the last chunk
+  arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
+  params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
+  rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
+  outs = [proposal.folded_block(
+      arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"], rows["temperature"],
+      rows["seeds"], rows["positions"], jax.random.key(1), kind="vanilla", greedy_only=g,
+      form=f, pallas_options=o)
+      for g in (False, True) for f, o in (("loop", ()), ("pallas", FUSED_CHOICE))]
+  for a, b in ((outs[0], outs[1]), (outs[2], outs[3])):
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    if a[1] is not None:
+      np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+  tokens = np.asarray(outs[0][0])
+  assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
