@@ -232,8 +232,8 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       when nothing is reported.
     confidence_head: optional confidence head, run inside the folded loop.
     hidden_size: H, needed only when it cannot be read off the heads.
-    form: how the folded programs are written: "auto" (`proposal.choose_form`, per variant and
-      bucket), "loop", "unrolled" or "pallas" (`proposal.folded_block`); the same law.
+    form: how the folded programs are written: "auto" (`proposal.choose_form`, per variant),
+      "loop", "unrolled" or "pallas" (`proposal.folded_block`); the same law.
 
   Returns:
     A `DraftSampler` whose greedy-only variant (and sampling variant, if enabled) is compiled at the

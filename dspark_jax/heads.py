@@ -60,13 +60,6 @@ def markov_vector(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.A
     ``(v [B, r] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
   """
   e = jnp.take(params["w1"], prev_tokens, axis=0).astype(jnp.float32)
-  return markov_vector_from_e(kind, params, e, hidden, state)
-
-
-def markov_vector_from_e(kind: str, params: Mapping[str, jax.Array], e: jax.Array,
-                         hidden: jax.Array | None, state: jax.Array
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`markov_vector` given ``e = W1[prev_tokens]`` [B, r] float32 (gathered elsewhere)."""
   if kind == "vanilla":
     v = e
   elif kind == "gated":

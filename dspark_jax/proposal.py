@@ -43,23 +43,24 @@ PATH_FOLDED_SAMPLING = "folded-sampling"
 PATH_FOLDED_GREEDY = "folded-greedy"
 PATH_EAGER = "eager"
 FORMS = ("loop", "unrolled", "pallas")
-AUTO_PALLAS_GREEDY_MIN_BATCH = 64  # below it the unrolled XLA form ties or wins (BENCHMARKS.md)
+TILE_DRAWS_BELOW_BATCH = 64
+"""Batches below this draw every tile's token in the kernel (``draws``); larger ones draw in XLA from
+the chosen tile: the per-tile draws cost the kernel more than the XLA draw costs at 64 rows and up
+(H200, BENCHMARKS.md, issue 6)."""
 
 
-def choose_form(greedy_only: bool, batch: int, vocab: int, platform: str | None = None) -> str:
+def choose_form(greedy_only: bool, vocab: int, platform: str | None = None) -> str:
   """The form ``form="auto"`` resolves to: the fastest measured on an H200 (BENCHMARKS.md, issue 6).
 
-  On GPUs, when the vocabulary suits the kernel (`fused_step.supports`): the sampling variant ->
-  "pallas"; greedy-only -> "pallas" from `AUTO_PALLAS_GREEDY_MIN_BATCH` rows, else "unrolled".
-  Other vocabularies: sampling -> "loop", greedy-only -> "unrolled". Off the GPU: "loop" (Pallas'
-  interpreter is for tests only).
+  On GPUs: "pallas" when the vocabulary suits the kernel (`fused_step.supports`), else "loop" for
+  the sampling variant and "unrolled" for greedy-only. Off the GPU: "loop" (Pallas' interpreter is
+  for tests only). The kernel won at every measured batch size, so the batch does not enter.
   """
   if (platform or jax.default_backend()) != "gpu":
     return "loop"
-  kernel_fits = fused_step.supports(vocab)
-  if greedy_only:
-    return "pallas" if kernel_fits and batch >= AUTO_PALLAS_GREEDY_MIN_BATCH else "unrolled"
-  return "pallas" if kernel_fits else "loop"
+  if fused_step.supports(vocab):
+    return "pallas"
+  return "unrolled" if greedy_only else "loop"
 
 
 @struct.dataclass
@@ -117,50 +118,51 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
 
 def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy, temperature,
                   seeds, positions, key, greedy_only, pallas_options):
-  """The γ steps unrolled, each one `fused_step` kernel plus the token choice.
+  """The γ steps unrolled: per step one `fused_step` kernel, then the token choice in XLA.
 
-  The token choice runs in XLA, or with ``("fused_choice", True)`` in `pallas_options` as a second
-  kernel (`fused_step.choose_tokens`) that also gathers the next ``W1`` rows.
+  A vanilla head's ``W1[x_prev]`` is gathered inside the kernel (``("w1_in_kernel", False)`` in
+  `pallas_options` gathers it in XLA instead). Every step's noise is drawn up front. Below
+  `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every tile draws its token in the
+  kernel and the choice is one reduction over the tiles; else the kernel gives log-masses and XLA
+  draws from the chosen tile.
   """
   options = dict(pallas_options)
-  fused_choice = options.pop("fused_choice", False)
+  w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla"
+  draws = options.pop("draws", base_logits.shape[0] < TILE_DRAWS_BELOW_BATCH)
   batch, gamma, vocab = base_logits.shape
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
   interpret = jax.default_backend() == "cpu"
   noise = None
-  if not greedy_only:  # every step's noise up front: one small program, not γ chains of them
+  if not greedy_only:  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
     steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
     keys = sampling.row_keys(key, jnp.broadcast_to(seeds, steps.shape).reshape(-1),
                              steps.reshape(-1), sampling.Stream.DRAFT).reshape(steps.shape)
     noise = sampling.tile_noise(keys, vocab // tile, tile)   # [γ, B, V/c + c]
-  e_rows = None  # [P, r] W1 rows of the previous tokens from the choice kernel (P >= B)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
-    if e_rows is None:
-      v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
-    elif kind == "vanilla" and conf_params is None:
-      v, e = e_rows, None  # straight from one kernel to the next
+    e = None
+    if w1_in_kernel:
+      head_input, w1 = prev, head_params["w1"]
+      if conf_params is not None:
+        e = jnp.take(w1, prev, axis=0).astype(jnp.float32)
     else:
-      v, e, state = heads_lib.markov_vector_from_e(
-          kind, head_params, e_rows[:batch].astype(jnp.float32), hidden_k, state)
-    corrected, tile_max, tile_arg, tile_mass = fused_step.step_stats(
-        v, head_params["w2"], base_logits, temperature, corrected, step=k,
-        greedy_only=greedy_only, batch=batch, keep_padding=fused_choice, interpret=interpret,
-        **options)
-    if fused_choice:
-      padded_tokens, e_rows = fused_step.choose_tokens(
-          tile_max, tile_arg, tile_mass, None if greedy_only else noise[k], greedy, temperature,
-          corrected, head_params["w1"], step=k, greedy_only=greedy_only, batch=batch,
-          rows=options.get("rows"), interpret=interpret)
-      prev = padded_tokens[:batch]
-    elif greedy_only:
-      prev = sampling.greedy_from_tile_stats(tile_max, tile_arg)
+      head_input, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+      w1 = None
+    stats = fused_step.step_stats(
+        head_input, head_params["w2"], base_logits, temperature, noise, corrected, w1=w1, step=k,
+        greedy_only=greedy_only, draws=draws, interpret=interpret, **options)
+    corrected = stats.corrected
+    if greedy_only:
+      prev = sampling.greedy_from_tile_stats(stats.tile_max, stats.tile_argmax)
+    elif draws:
+      prev = sampling.tokens_from_tile_draws(stats.tile_max, stats.tile_argmax, stats.tile_score,
+                                             stats.tile_draw, greedy)
     else:
-      prev = sampling.tokens_from_tile_stats(corrected, tile_max, tile_arg, tile_mass, greedy,
-                                             temperature, noise[k], step=k)
+      prev = sampling.tokens_from_tile_stats(corrected, stats.tile_max, stats.tile_argmax,
+                                             stats.tile_mass, greedy, temperature, noise[k], step=k)
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
@@ -179,13 +181,13 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   with one `fused_step` kernel per step (needs V divisible by 16; on the CPU it runs in Pallas'
   interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
-  ``tiles_per_program``), and ``fused_choice`` (the token choice as a kernel too; not yet measured on
-  a GPU, so not the default).
+  ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows), and
+  ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """
   if form == "auto":
-    form = choose_form(greedy_only, base_logits.shape[0], base_logits.shape[2])
+    form = choose_form(greedy_only, base_logits.shape[2])
   if form not in FORMS:
     raise ValueError(f"form: expected \"auto\" or one of {FORMS}, got {form!r}")
   if form == "pallas":

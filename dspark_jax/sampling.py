@@ -220,6 +220,25 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   return jnp.where(greedy, argmax_tokens, start + within)
 
 
+def tokens_from_tile_draws(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Array,
+                           tile_draw: jax.Array, greedy: jax.Array) -> jax.Array:
+  """`tokens_from_tile_stats` when every tile has already drawn its token (`fused_step` does).
+
+  Args:
+    tile_max, tile_argmax: [B, V/c] per-tile max and first argmax (greedy rows).
+    tile_score: [B, V/c] ``S_t + G_t``: the tile's log-mass plus its Gumbel draw (noise[:, :V/c]).
+    tile_draw: [B, V/c] int32, per tile ``argmax(logits[tile] / T + G')`` with the row's inner noise
+      ``G' = noise[:, V/c:]`` (the same for every tile), as a column of the whole row.
+    greedy: [B] bool.
+
+  Returns:
+    [B] int32 tokens, equal to `tokens_from_tile_stats`' for the same noise. The draws of one row
+    increase with the tile, so the tie rule "smaller draw" is the rule "smaller tile".
+  """
+  sampled = _reduce_first_max(tile_score, tile_draw, 1)[1]
+  return jnp.where(greedy, greedy_from_tile_stats(tile_max, tile_argmax), sampled)
+
+
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, keys: jax.Array
                   ) -> jax.Array:
   """Samples one token per row of a mixed batch (two-level Gumbel-max). Pure, jittable, unchecked.

@@ -1,9 +1,9 @@
 """Issue 6 exploration: the forms of the folded block sampler, timed side by side on one device.
 
 Lean on purpose (one device call covers every shape): for each (V, B) it compiles
-`proposal.folded_block` in each requested form (`proposal.FORMS`: loop, unrolled, pallas; and
-"pallas+choice", the Pallas form with the token choice as a second kernel) and variant (sampling,
-greedy-only) and reports the median per-call time of back-to-back calls against
+`proposal.folded_block` in each requested form (`proposal.FORMS`: loop, unrolled, pallas; and the
+Pallas form under other kernel options, `PALLAS_VARIANTS`) and variant (sampling, greedy-only) and
+reports the median per-call time of back-to-back calls against
 the HBM floor ``γ·(r·V + 2·B·V)·2 bytes / 4.27 TB/s`` (SPEC §9; the copy rate measured here is
 printed too), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch has CUDA. Each form is
 checked once against the ``loop`` form (corrected logits and tokens).
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal
+from dspark_jax import heads, proposal, sampling
 from dspark_jax import sampling_params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +52,7 @@ def bandwidth(nbytes):
   return 2 * nbytes / b2b_seconds(copy, (x,), calls=5)
 
 
-PART_OPTIONS = {"default": (), "k64s3": (("k_chunk", 64), ("num_stages", 3)),
-                "t4s3": (("tiles_per_program", 4), ("num_stages", 3))}
+PART_OPTIONS = {"default": (), "xc": (("draws", False),)}
 
 
 def parts(vocabs, batches, gamma, rank, dtype, repeats):
@@ -72,11 +71,14 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
       floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / SPEC_BANDWIDTH
       cells = []
 
-      def kernels(vs, w2, base, temperature, greedy_only, options):
+      tiles = vocab // sampling.vocab_tile(vocab)
+      noise = jax.random.gumbel(jax.random.key(3), (gamma, batch, tiles + vocab // tiles))
+
+      def kernels(vs, w2, base, temperature, noise, greedy_only, options):
         corrected, acc = None, 0.0
         for k in range(gamma):  # a different v per step: nothing for XLA to share between steps
-          corrected, tile_max, _, _ = fused_step.step_stats(
-              vs[k], w2, base, temperature, corrected, step=k, greedy_only=greedy_only,
+          corrected, tile_max, *_ = fused_step.step_stats(
+              vs[k], w2, base, temperature, noise, corrected, step=k, greedy_only=greedy_only,
               interpret=interpret, **dict(options))
           acc = acc + tile_max[0, 0]
         return acc, corrected
@@ -84,7 +86,7 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
       for name, options in PART_OPTIONS.items():
         for greedy_only in (True, False):
           fn = jax.jit(functools.partial(kernels, greedy_only=greedy_only, options=options))
-          fargs = (vs, w2, base, temperature)
+          fargs = (vs, w2, base, temperature, noise)
           try:
             seconds = b2b_seconds(fn.lower(*fargs).compile(), fargs, repeats=repeats)
             cells.append(f"kern {'g' if greedy_only else 's'} {name} {seconds * 1e6:.1f} "
@@ -94,8 +96,10 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
       temp = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
       r = proposal.block_arrays(sp.SamplingParams(temperature=temp), np.arange(batch) % vocab,
                                 np.full(batch, 1000))
-      call_args = (head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"],
-                   r["seeds"], r["positions"], jax.random.key(0))
+      # On the device before timing: a numpy argument is copied to the GPU on every call, and
+      # those copies, not the GPU, then set the pace of back-to-back calls.
+      call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
+                                  r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
       for form, greedy_only in (("pallas", False), ("pallas", True), ("loop", False),
                                 ("unrolled", True)):
         try:
@@ -110,6 +114,14 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
       print(f"V={vocab} B={batch} floor {floor * 1e6:.1f}: " + " | ".join(cells), flush=True)
 
 
+PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
+    "pallas-xg": (("w1_in_kernel", False),),              # W1 rows gathered in XLA
+    "pallas-xc": (("draws", False),),                     # the chosen tile's draw in XLA
+    "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
+    "pallas-w8": (("num_warps", 8),),
+    "pallas-s4": (("num_stages", 4),),
+}
+
 SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
 
 
@@ -119,7 +131,9 @@ def main(argv=None):
   parser.add_argument("--tune", action="store_true")
   parser.add_argument("--parts", action="store_true",
                       help="time the parts of a step instead: 7 kernels alone, 7 cuBLAS products")
-  parser.add_argument("--forms", default="loop,unrolled,pallas,pallas+choice")
+  parser.add_argument("--forms", default="loop,unrolled,pallas,pallas-xg",
+                      help=f"comma-separated: {', '.join(proposal.FORMS)} or one of "
+                           f"{', '.join(PALLAS_VARIANTS)}")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--only", help="comma-separated variant names to keep, e.g. 'loop sampling'")
   parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
@@ -137,9 +151,8 @@ def main(argv=None):
                  + (" greedy" if g else " sampling"), "pallas", o, g)
                 for o in settings for g in (False, True)]
   else:
-    # "pallas+choice": the Pallas form with the token choice as a second kernel (fused_choice).
-    variants = [(f"{form} {'greedy' if g else 'sampling'}", form.split("+")[0],
-                 (("fused_choice", True),) if form.endswith("+choice") else (), g)
+    variants = [(f"{form} {'greedy' if g else 'sampling'}", form.split("-")[0],
+                 PALLAS_VARIANTS.get(form, ()), g)
                 for form in args.forms.split(",") for g in (False, True)]
   if args.batches:
     batches = [int(b) for b in args.batches.split(",")]
@@ -161,8 +174,10 @@ def main(argv=None):
       temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
       mixed = sp.SamplingParams(temperature=temperature)
       r = proposal.block_arrays(mixed, np.arange(batch) % vocab, np.full(batch, 1000))
-      call_args = (head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"],
-                   r["seeds"], r["positions"], jax.random.key(0))
+      # On the device before timing: a numpy argument is copied to the GPU on every call, and
+      # those copies, not the GPU, then set the pace of back-to-back calls.
+      call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
+                                  r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
       floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / floor_bw
       row = {"V": vocab, "B": batch, "floor": floor}
       reference = None

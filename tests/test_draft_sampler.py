@@ -218,9 +218,7 @@ def test_build_rejects_bad_arguments():
 def test_auto_form_policy():
   # The measured choice (BENCHMARKS.md, issue 6); "loop" off the GPU.
   choose = proposal.choose_form
-  assert choose(False, 128, 129280, "cpu") == "loop" and choose(True, 1, 129280, "cpu") == "loop"
-  assert choose(True, 8, 129280, "gpu") == "unrolled"
-  assert choose(True, 64, 151936, "gpu") == "pallas"
-  assert choose(False, 1, 129280, "gpu") == "pallas"
-  assert choose(False, 64, 95, "gpu") == "loop"  # no 16-column tile divides V
-  assert choose(True, 128, 95, "gpu") == "unrolled"
+  assert choose(False, 129280, "cpu") == "loop" and choose(True, 129280, "cpu") == "loop"
+  assert choose(True, 129280, "gpu") == "pallas" and choose(False, 151936, "gpu") == "pallas"
+  assert choose(False, 95, "gpu") == "loop"  # no 16-column tile divides V
+  assert choose(True, 95, "gpu") == "unrolled"

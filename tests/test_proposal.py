@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import law_checks as reference
-from dspark_jax import proposal
+from dspark_jax import fused_step, proposal
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
@@ -155,12 +155,13 @@ def test_sample_block_rejects_bad_inputs(edit, match):
     dj.sample_block(head, **edit(_inputs()))
 
 
-FUSED_CHOICE = (("fused_choice", True),)
+XLA_CHOICE = (("w1_in_kernel", False), ("draws", False))  # the kernel's non-default paths
+TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("form,options", [("unrolled", ()), ("pallas", ()),
-                                          ("pallas", FUSED_CHOICE)])
+                                          ("pallas", XLA_CHOICE)])
 def test_every_folded_form_equals_the_loop(kind, form, options):
   # On the CPU the forms are bit-identical (the kernel runs in Pallas' interpreter); on a GPU the
   # kernel sums v @ W2 in its own order, so corrected logits agree to bf16 rounding and tokens may
@@ -188,8 +189,11 @@ def test_every_folded_form_equals_the_loop(kind, form, options):
                                      rtol=2**-7, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind,temperature,options", [("vanilla", 1.0, ()), ("gated", 0.6, ()),
-                                                      ("vanilla", 0.8, FUSED_CHOICE)])
+@pytest.mark.parametrize("kind,temperature,options", [
+    ("vanilla", 1.0, ()),            # 64k rows: the draw from the chosen tile, in XLA
+    ("gated", 0.6, TILE_DRAWS),      # every tile draws in the kernel; v from XLA
+    ("vanilla", 0.8, TILE_DRAWS),    # ... with W1 gathered in the kernel
+])
 def test_pallas_form_block_law(kind, temperature, options):
   # The kernel form's own law (on a GPU its arithmetic differs from XLA's; on the CPU it runs in the
   # interpreter). N = 60,000 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so
@@ -225,10 +229,10 @@ def test_pallas_form_block_law(kind, temperature, options):
                        what=f"pallas {kind} vs 1.15 T")
 
 
-def test_fused_choice_over_many_tiles_with_edge_rows():
-  # V = 2064 = 129 tiles of 16: the choice kernel reduces the tiles in two chunks of 128, the second
-  # holding one real tile. Rows: all -inf, a NaN in the last tile, exact ties across chunks, normal
-  # rows; greedy and sampled. Tokens and logits must equal the loop form's bit for bit (CPU).
+def test_pallas_form_over_many_tiles_with_edge_rows():
+  # V = 2064 = 129 tiles of 16. Rows: all -inf, a NaN in the last tile, an exact tie between the
+  # first and the last tile, normal rows; greedy and sampled. The kernel's per-tile draws and their
+  # reduction must give the loop form's tokens and logits bit for bit (CPU).
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
   rng = np.random.default_rng(12)
@@ -236,7 +240,7 @@ def test_fused_choice_over_many_tiles_with_edge_rows():
   base[0:2] = -np.inf
   base[2:4, :, 2060] = np.nan
   base[4:6] = 0.0
-  base[4:6, :, [5, 2050]] = 50.0  # a tie between the first and the last chunk
+  base[4:6, :, [5, 2050]] = 50.0  # a tie between the first and the last tile
   arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
@@ -244,10 +248,30 @@ def test_fused_choice_over_many_tiles_with_edge_rows():
       arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"], rows["temperature"],
       rows["seeds"], rows["positions"], jax.random.key(1), kind="vanilla", greedy_only=g,
       form=f, pallas_options=o)
-      for g in (False, True) for f, o in (("loop", ()), ("pallas", FUSED_CHOICE))]
-  for a, b in ((outs[0], outs[1]), (outs[2], outs[3])):
+      for g in (False, True) for f, o in (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE))]
+  for a, b in ((outs[0], outs[1]), (outs[0], outs[2]), (outs[3], outs[4]), (outs[3], outs[5])):
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
     if a[1] is not None:
       np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
   tokens = np.asarray(outs[0][0])
   assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
+
+
+def test_kernel_first_max_keys_match_argmax():
+  # `fused_step` reduces integer keys, not floats (Triton's float max drops NaN). The keys must give
+  # jnp.argmax's answer and the max: 200 rows of 64 values with exact ties, signed zeros, ±inf,
+  # all -inf rows and NaNs.
+  rng = np.random.default_rng(21)
+  values = rng.integers(-3, 3, size=(200, 64)).astype(np.float32)
+  values[rng.random(values.shape) < 0.2] = -0.0
+  values[0] = -np.inf
+  values[1, [5, 40]] = np.inf
+  values[2, [7, 9]] = np.nan
+  values[3, :] = -0.0
+  values[3, 30] = 0.0
+  values[4, 3] = -np.nan
+  columns = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), values.shape)
+  best, first = fused_step._row_first_max(jnp.asarray(values), columns)
+  np.testing.assert_array_equal(np.asarray(first), np.argmax(values, axis=1))
+  want = np.max(values, axis=1)  # NaN where a NaN is present, as jnp.argmax's winner
+  np.testing.assert_array_equal(np.asarray(best), want)  # equal as values: -0 == +0

@@ -173,6 +173,38 @@ def test_tile_stats_match_float64(vocab):
   np.testing.assert_array_equal(tile_arg[0], np.argmax(x[0], -1) + np.arange(x.shape[1]) * tile)
 
 
+@pytest.mark.parametrize("vocab", [256, 384])
+def test_tile_draws_give_the_tokens_of_tile_stats(vocab):
+  # `fused_step` draws a token in every tile and reduces (score, draw) pairs; that must pick the
+  # token `tokens_from_tile_stats` picks from the chosen tile alone, for the same noise: 400 rows
+  # of random logits (integer-valued, so exact ties), all -inf, NaN and +inf rows, all sampled and
+  # all greedy.
+  rng = np.random.default_rng(vocab)
+  rows = 400
+  logits = rng.integers(-4, 4, size=(rows, vocab)).astype(np.float32)
+  logits[0] = -np.inf
+  logits[1, : vocab // 2] = -np.inf
+  logits[2, [9, vocab - 3]] = np.nan
+  logits[3, [20, vocab - 1]] = np.inf
+  temperature = jnp.asarray(rng.uniform(0.3, 2.0, rows), jnp.float32)
+  keys = sampling.row_keys(jax.random.key(1), jnp.arange(rows), jnp.zeros(rows, jnp.int32), 0)
+  tile = sampling.vocab_tile(vocab)
+  tiles = vocab // tile
+  noise = sampling.tile_noise(keys, tiles, tile)
+  x = jnp.asarray(logits)
+  tile_max, tile_arg, mass = sampling.tile_stats(x, temperature)
+  windows = x.reshape(rows, tiles, tile) / temperature[:, None, None] + noise[:, None, tiles:]
+  columns = jnp.arange(tiles)[:, None] * tile + jnp.arange(tile)[None, :]
+  draws = jnp.take_along_axis(  # argmax per tile, NaN first, as a column of the row
+      jnp.broadcast_to(columns, windows.shape),
+      jnp.argmax(windows, axis=-1)[..., None], axis=-1)[..., 0]
+  for greedy in (jnp.zeros(rows, bool), jnp.ones(rows, bool)):
+    want = sampling.tokens_from_tile_stats(x, tile_max, tile_arg, mass, greedy, temperature, noise)
+    got = sampling.tokens_from_tile_draws(tile_max, tile_arg, mass + noise[:, :tiles], draws, greedy)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert int(want[0]) == 0 and int(got[2]) == 9 and int(got[3]) == 20
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda L, p, pos: (L[0], p, pos), "logits: expected \\[B, V\\]"),
     (lambda L, p, pos: (L.astype(jnp.int32), p, pos), "logits: expected a float dtype"),

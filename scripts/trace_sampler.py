@@ -1,0 +1,133 @@
+"""The GPU timeline of one folded sampler call: every kernel, its duration and the gap before it.
+
+Where `profile_sampler.py` (Nsight Compute) measures each kernel alone and cannot run the sampling
+programs, this records the calls with JAX's profiler (CUPTI) and reads the kernel events back from
+the Perfetto trace it writes. The calls are separated by host pauses, so the last call's kernels are
+the last burst of GPU events. It answers "how much of the call is kernels, how much is the time
+between them, and which kernels are the small ones".
+
+  PYTHONPATH=. python3 scripts/trace_sampler.py --vocab 129280 --batch 1 --form pallas
+
+`--form` takes `proposal.FORMS`, "auto", or a Pallas variant of `explore_sampler.PALLAS_VARIANTS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import heads, proposal
+from dspark_jax import sampling_params as sp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import explore_sampler  # noqa: E402
+
+
+def gpu_kernel_events(trace_file):
+  """[(start µs, duration µs, name)] of the events on GPU stream tracks, in start order."""
+  with gzip.open(trace_file, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  process, thread = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      process[e["pid"]] = e["args"]["name"]
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      thread[(e["pid"], e["tid"])] = e["args"]["name"]
+  kernels = []
+  for e in events:
+    if e.get("ph") != "X" or "GPU" not in process.get(e["pid"], ""):
+      continue
+    track = thread.get((e["pid"], e["tid"]), "")
+    if "Stream" not in track or "Memcpy" in e["name"]:
+      continue
+    kernels.append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
+  return sorted(kernels)
+
+
+def track_names(trace_file):
+  """{process name: [thread names]} of a trace (to see how a profiler version names the tracks)."""
+  with gzip.open(trace_file, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  process = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+  names = collections.defaultdict(set)
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      names[process.get(e["pid"], e["pid"])].add(e["args"]["name"])
+  return {p: sorted(t)[:12] for p, t in names.items()}
+
+
+def last_burst(kernels, pause_us=2000.0):
+  """The kernels after the last gap longer than `pause_us` (the last call)."""
+  start = 0
+  for i in range(1, len(kernels)):
+    if kernels[i][0] - (kernels[i - 1][0] + kernels[i - 1][1]) > pause_us:
+      start = i
+  return kernels[start:]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--vocab", type=int, default=129280)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--form", default="auto")
+  parser.add_argument("--greedy-only", action="store_true")
+  parser.add_argument("--gamma", type=int, default=7)
+  parser.add_argument("--rank", type=int, default=256)
+  parser.add_argument("--out", default=None, help="folder for the trace (default: a temporary one)")
+  args = parser.parse_args(argv)
+  head = heads.MarkovHead.random("vanilla", vocab_size=args.vocab, rank=args.rank,
+                                 rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  batch, gamma = args.batch, args.gamma
+  base = (3.0 * jax.random.normal(jax.random.key(1), (batch, gamma, args.vocab))).astype(jnp.bfloat16)
+  temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
+  r = proposal.block_arrays(sp.SamplingParams(temperature=temperature), np.arange(batch),
+                            np.full(batch, 1000))
+  call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
+                              r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
+  compiled = proposal.folded_block.lower(
+      *call_args, kind="vanilla", greedy_only=args.greedy_only, form=args.form.split("-")[0],
+      pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ())).compile()
+  b2b = explore_sampler.b2b_seconds(compiled, call_args)
+  out = args.out or tempfile.mkdtemp()
+  with jax.profiler.trace(out, create_perfetto_trace=True):
+    for _ in range(3):
+      time.sleep(0.02)  # a host pause between calls separates their kernels on the timeline
+      jax.block_until_ready(compiled(*call_args))
+  files = glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise SystemExit(f"no Perfetto trace under {out}")
+  kernels = last_burst(gpu_kernel_events(max(files, key=os.path.getmtime)))
+  if not kernels:
+    raise SystemExit(f"no GPU stream events in the trace; its tracks: {track_names(files[0])}")
+  variant = "greedy-only" if args.greedy_only else "sampling"
+  span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+  busy = sum(d for _, d, _ in kernels)
+  print(f"V={args.vocab} B={batch} {variant} form={args.form}: {len(kernels)} kernels, "
+        f"span {span:.1f} µs, kernels {busy:.1f} µs, gaps {span - busy:.1f} µs; back-to-back "
+        f"calls {b2b * 1e6:.1f} µs each")
+  end = kernels[0][0]
+  for start, duration, name in kernels:
+    print(f"  gap {start - end:6.1f}  {duration:7.1f} µs  {name[:90]}")
+    end = start + duration
+  by_name = collections.defaultdict(list)
+  for _, duration, name in kernels:
+    by_name[name[:60]].append(duration)
+  print("  by kernel: " + "; ".join(f"{n} x{len(d)} {sum(d):.1f}" for n, d in
+                                    sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]))
+
+
+if __name__ == "__main__":
+  main()
