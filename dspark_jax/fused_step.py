@@ -11,16 +11,21 @@ kernel per (row block, vocabulary tile) does it all while the tile is in registe
 * ``corrected = round(U_k[rows, tile] + bias)`` written straight into slice k of the [B, γ, V] output
   (sampling variant only);
 * per row and tile: the max and its first column (NaN first), for greedy rows; for sampled rows the
-  tile's *score* ``logsumexp(corrected / T) + G_tile`` (`sampling.tile_log_mass` plus the tile's
-  Gumbel draw) and its *draw* ``argmax(corrected / T + G_inner)``, the token the tile would give if
-  chosen (`sampling` explains the two-level draw; every tile uses the same inner noise, so computing
-  the draw for every tile and keeping the chosen one is the same draw as computing it afterwards).
+  tile's log-mass ``logsumexp(corrected / T)`` (`sampling.tile_log_mass`), or, with ``draws``, the
+  tile's *score* (that log-mass plus the tile's Gumbel draw) and its *draw*
+  ``argmax(corrected / T + G_inner)``, the token the tile would give if chosen. Every tile uses the
+  row's same inner noise, so drawing in every tile and keeping the chosen tile's draw is the same
+  draw as reading the chosen tile afterwards (`sampling` explains the two-level draw).
 
-So the token choice left to XLA is one reduction over the tiles (`sampling.tokens_from_tile_draws`):
-no second read of the logits. HBM sees W2, U_k and the corrected logits once each per step, the
-floor's traffic (row blocks after the first find their W2 tile in L2: they run next to each other).
-Measured on an H200 (BENCHMARKS.md, issue 6) the γ kernels alone run at 1.45-2.2x that floor; the
-whole program pays, besides, for the small reductions between the kernels.
+With draws, the token choice left to XLA is one reduction over the tiles
+(`sampling.tokens_from_tile_draws`); without, XLA draws the tile and rereads it
+(`sampling.tokens_from_tile_stats`). The draws cost arithmetic on every logit, so they pay at small
+batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
+blocks after the first find their W2 tile in L2: they run next to each other). On an H200
+(BENCHMARKS.md, issue 6) the γ kernels alone run at 1.43-1.48x that floor for greedy-only and
+1.6-2.2x for sampling, where, at large batches, the per-logit arithmetic rather than memory bounds
+them. Row maxima use integer keys that order like the floats (`_order_keys`): Triton's float max
+drops NaN, and the keys need two reductions where explicit NaN handling needs four.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
