@@ -60,9 +60,7 @@ def row_block(batch: int, limit: int = 64) -> int:
 
 
 _BIG_INDEX = np.iinfo(np.int32).max
-
-
-_SIGN_FREE = np.int32(0x7FFFFFFF)
+_SIGN_FREE = np.int32(0x7FFFFFFF)  # every bit but the sign
 
 
 def _order_keys(values):
@@ -252,8 +250,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
                                              ("num_stages", num_stages)) if value}
   outs = pl.pallas_call(
       functools.partial(_kernel, gathers=w1 is not None, greedy_only=greedy_only, draws=draws,
-                        step=step,
-                        batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
+                        step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
                         tiles_per_program=tiles_per_program),
       grid=(blocks, groups),
       in_specs=[pl.no_block_spec] * len(inputs),
