@@ -5,8 +5,9 @@ Lean on purpose (one device call covers every shape): for each (V, B) it compile
 Pallas form under other kernel options, `PALLAS_VARIANTS`) and variant (sampling, greedy-only) and
 reports the median per-call time of back-to-back calls against
 the HBM floor ``γ·(r·V + 2·B·V)·2 bytes / 4.27 TB/s`` (SPEC §9; the copy rate measured here is
-printed too), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch has CUDA. Each form is
-checked once against the ``loop`` form (corrected logits and tokens).
+printed too), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch has CUDA. Each
+sampling form is checked once against the first one run (``loop`` by default): corrected logits and
+tokens. Arguments are put on the device first, as inside a decoding loop.
 
 ``--tune`` instead times the pallas form under several kernel settings (rows per instance, warps,
 stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole programs.
