@@ -120,14 +120,15 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
                   seeds, positions, key, greedy_only, pallas_options):
   """The γ steps unrolled: per step one `fused_step` kernel, then the token choice in XLA.
 
-  A vanilla head's ``W1[x_prev]`` is gathered inside the kernel (``("w1_in_kernel", False)`` in
-  `pallas_options` gathers it in XLA instead). Every step's noise is drawn up front. Below
+  A vanilla head without a confidence head has its ``W1[x_prev]`` gathered inside the kernel
+  (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). Every step's noise is drawn up front. Below
   `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every tile draws its token in the
   kernel and the choice is one reduction over the tiles; else the kernel gives log-masses and XLA
   draws from the chosen tile.
   """
   options = dict(pallas_options)
-  w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla"
+  # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
+  w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   draws = options.pop("draws", base_logits.shape[0] < TILE_DRAWS_BELOW_BATCH)
   batch, gamma, vocab = base_logits.shape
   prev = anchor.astype(jnp.int32)
@@ -143,11 +144,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     noise = sampling.tile_noise(keys, vocab // tile, tile)   # [γ, B, V/c + c]
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
-    e = None
     if w1_in_kernel:
-      head_input, w1 = prev, head_params["w1"]
-      if conf_params is not None:
-        e = jnp.take(w1, prev, axis=0).astype(jnp.float32)
+      head_input, w1, e = prev, head_params["w1"], None
     else:
       head_input, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
       w1 = None
@@ -182,7 +180,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
   ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows), and
-  ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel).
+  ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
+  unless a confidence head needs them in XLA).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

@@ -101,7 +101,7 @@ def _chunk_size(vocab: int, limit: int = 2048) -> int:
   return 1
 
 
-def first_max_merge(a, b):
+def _first_max(a, b):
   """Reducer over (value, index) pairs: the larger value; on ties the smaller index; NaN beats all."""
   (a_val, a_idx), (b_val, b_idx) = a, b
   a_nan, b_nan = jnp.isnan(a_val), jnp.isnan(b_val)
@@ -113,7 +113,7 @@ def first_max_merge(a, b):
 
 def _reduce_first_max(values, indices, axis):
   init = (jnp.array(-jnp.inf, values.dtype), jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32))
-  return jax.lax.reduce((values, indices), init, first_max_merge, (axis,))
+  return jax.lax.reduce((values, indices), init, _first_max, (axis,))
 
 
 def argmax_last(scores: jax.Array) -> jax.Array:
