@@ -92,8 +92,8 @@ def _row_first_max(values, indices):
   return _key_value(best), first
 
 
-def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, corrected_ref, max_ref,
-              arg_ref, mass_ref, draw_ref, *, row0, step, batch, rows, tile, k_chunk):
+def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref,
+              key_ref, token_ref, mass_ref, *, row0, step, batch, rows, tile, k_chunk, cache_hints):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -102,6 +102,8 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, corrected
   in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
   window = (row_slice, jnp.int32(step), cols)
   rank = w2_ref.shape[0]
+  # W2 is read by every step of the block; U_k and the corrected logits once: ask L2 to keep W2.
+  keep, stream = ("evict_last", "evict_first") if cache_hints else (None, None)
   if w1_ref is not None:  # v = W1[tokens], gathered here; rows past the batch read token 0
     tokens = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
 
@@ -113,56 +115,62 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, corrected
     token_rows = jnp.broadcast_to(tokens[:, None], (rows, width))
     return plgpu.load(w1_ref.at[token_rows, lanes], mask=mask, other=0.0).astype(w2_ref.dtype)
 
-  base = plgpu.load(base_ref.at[window], mask=in_batch, other=0.0)
+  base = plgpu.load(base_ref.at[window], mask=in_batch, other=0.0, eviction_policy=stream)
   precision = jax.lax.Precision.HIGHEST if w2_ref.dtype == jnp.float32 else None  # no TF32
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+  load_w2 = lambda start, width: plgpu.load(w2_ref.at[pl.ds(start, width), cols],
+                                            eviction_policy=keep)
   if k_chunk is None:
-    bias = dot(load_v(0, rank), w2_ref[:, cols])
+    bias = dot(load_v(0, rank), load_w2(0, rank))
   else:  # a loop over rank chunks lets Triton pipeline the W2 loads
     def partial_bias(kk, acc):
-      return acc + dot(load_v(kk * k_chunk, k_chunk), w2_ref[pl.ds(kk * k_chunk, k_chunk), cols])
+      return acc + dot(load_v(kk * k_chunk, k_chunk), load_w2(kk * k_chunk, k_chunk))
     bias = jax.lax.fori_loop(0, rank // k_chunk, partial_bias, jnp.zeros((rows, tile), jnp.float32))
   corrected = (base.astype(jnp.float32) + bias).astype(base_ref.dtype)
   if corrected_ref is not None:
-    plgpu.store(corrected_ref.at[window], corrected, mask=in_batch)
+    plgpu.store(corrected_ref.at[window], corrected, mask=in_batch, eviction_policy=stream)
   x = corrected.astype(jnp.float32)
   columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
-  tile_max, tile_arg = _row_first_max(x, columns)
-  # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
-  max_ref[row_slice, j] = tile_max
-  arg_ref[row_slice, j] = tile_arg
-  if mass_ref is not None:
+  key, token = _row_first_max(x, columns)
+  if mass_ref is not None or noise_ref is not None:
     temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
-    mass = sampling.tile_log_mass(x, tile_max, temperature)
-    if draw_ref is None:
-      mass_ref[row_slice, j] = mass
-      return
+    mass = sampling.tile_log_mass(x, key, temperature)
+  if noise_ref is not None:  # this tile's draw; sampled rows keep (score, draw) (`tile_choices`)
+    tiles = key_ref.shape[1]
     tile_noise = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
-    mass_ref[row_slice, j] = mass + tile_noise  # the tile's score
-    tiles = max_ref.shape[1]
     inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
                        mask=in_batch, other=0.0)
-    draw_ref[row_slice, j] = _row_first_max(x / temperature[:, None] + inner, columns)[1]
+    draw = _row_first_max(x / temperature[:, None] + inner, columns)[1]
+    greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
+    key = jnp.where(greedy, key, mass + tile_noise)
+    token = jnp.where(greedy, token, draw)
+  # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
+  key_ref[row_slice, j] = key
+  token_ref[row_slice, j] = token
+  if mass_ref is not None:
+    mass_ref[row_slice, j] = mass
 
 
-def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, **static):
+def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, reverse, **static):
   refs = list(refs)
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
   w2_ref, base_ref, temp_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  noise_ref = corrected_ref = mass_ref = draw_ref = None
+  noise_ref = greedy_ref = corrected_ref = mass_ref = None
   if greedy_only:
-    max_ref, arg_ref = refs
+    key_ref, token_ref = refs
   elif draws:  # an aliased corrected input may come before the outputs
-    noise_ref = refs.pop(0)
-    corrected_ref, max_ref, arg_ref, mass_ref, draw_ref = refs[-5:]
+    noise_ref, greedy_ref = refs.pop(0), refs.pop(0)
+    corrected_ref, key_ref, token_ref = refs[-3:]
   else:
-    corrected_ref, max_ref, arg_ref, mass_ref = refs[-4:]
+    corrected_ref, key_ref, token_ref, mass_ref = refs[-4:]
   block, group = pl.program_id(0), pl.program_id(1)
+  if reverse:  # instances start in program order: the last tiles first
+    group = pl.num_programs(1) - 1 - group
   run = functools.partial(_one_tile, v_ref=v_ref, w1_ref=w1_ref, w2_ref=w2_ref, base_ref=base_ref,
-                          temp_ref=temp_ref, noise_ref=noise_ref, corrected_ref=corrected_ref,
-                          max_ref=max_ref, arg_ref=arg_ref, mass_ref=mass_ref, draw_ref=draw_ref,
-                          row0=block * static["rows"], **static)
+                          temp_ref=temp_ref, noise_ref=noise_ref, greedy_ref=greedy_ref,
+                          corrected_ref=corrected_ref, key_ref=key_ref, token_ref=token_ref,
+                          mass_ref=mass_ref, row0=block * static["rows"], **static)
   if tiles_per_program == 1:
     run(group)
     return
@@ -179,22 +187,26 @@ def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, **stat
 
 
 class StepStats(NamedTuple):
-  """What `step_stats` returns; [B, V/c] arrays unless noted, None where the variant has none."""
+  """What `step_stats` returns: per row and vocabulary tile, [B, V/c] (``corrected`` aside).
 
-  corrected: jax.Array | None     # [B, γ, V] with slice `step` written (sampling variant)
-  tile_max: jax.Array             # f32
-  tile_argmax: jax.Array          # int32 column of the whole row
-  tile_mass: jax.Array | None     # f32 logsumexp(tile / T) (sampling, ``draws=False``)
-  tile_score: jax.Array | None    # f32 tile_mass + the tile's Gumbel draw (sampling, ``draws=True``)
-  tile_draw: jax.Array | None     # int32 column the tile draws (sampling, ``draws=True``)
+  The token choice maximises ``tile_key`` over the tiles and takes that tile's ``tile_token``
+  (`sampling.tokens_from_tile_choices`), except with ``draws=False``, where the caller draws the
+  sampled rows' tokens from ``tile_mass`` (`sampling.tokens_from_tile_stats`).
+  """
+
+  corrected: jax.Array | None   # [B, γ, V] with slice `step` written (sampling variant)
+  tile_key: jax.Array           # f32: the tile's max; a sampled row's score with ``draws``
+  tile_token: jax.Array         # int32 column: the tile's first argmax; a sampled row's draw
+  tile_mass: jax.Array | None   # f32 logsumexp(tile / T) (sampling, ``draws=False``)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
-                                             "interpret"))
-def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, step, greedy_only,
-               draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
-               tiles_per_program=1, interpret=False) -> StepStats:
+                                             "serpentine", "cache_hints", "interpret"))
+def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
+               greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
+               tiles_per_program=1, serpentine=True, cache_hints=True,
+               interpret=False) -> StepStats:
   """Runs the kernel for block position `step`.
 
   Args:
@@ -206,16 +218,22 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
       slice `step` is read), or None (greedy-only, or ``draws=False``).
     corrected: [B, γ, V] the buffer to write slice `step` of (aliased in place), or None to allocate
       it (its other slices are then unwritten); ignored by the greedy-only variant.
+    greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant with ``draws``.
+      Pass it as int32 to spare a conversion per step.
     w1: [V, r] the head's first matrix, or None (then `v` is the vector).
     step: static block position. greedy_only: no corrected logits, masses, scores or draws.
-    draws: sampling variant: each tile draws its token (scores and draws); else log-masses only,
-      and the caller draws from the chosen tile (`sampling.tokens_from_tile_stats`).
+    draws: sampling variant: each tile draws its token, and a sampled row's (key, token) per tile is
+      (score, draw), a greedy row's (max, first argmax) (`sampling.tile_choices`); else the kernel
+      gives (max, first argmax) and log-masses, and the caller draws from the chosen tile.
     rows: static rows per kernel instance (default `row_block(B)`).
     num_warps, num_stages: Triton's (None: its default); 3 stages pipeline the W2 loads.
     k_chunk: static rank chunk of the in-kernel loop over r (None: one dot over all of r). 64
       with 3 stages measured fastest on an H200 (BENCHMARKS.md); a rank it does not divide falls
       back to one dot.
     tiles_per_program: vocabulary tiles one kernel instance walks through (a smaller grid).
+    serpentine: odd steps walk the vocabulary tiles last to first, so they start on the W2 tiles
+      the step before read last, which may still be in L2 (W2 is larger than L2).
+    cache_hints: W2 loads marked evict-last, U_k loads and corrected-logit stores evict-first.
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
@@ -226,6 +244,9 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
   tile = sampling.vocab_tile(vocab)
   if tile < MIN_TILE:
     raise ValueError(f"w2: vocab {vocab} has no power-of-two tile >= {MIN_TILE}; use the XLA form")
+  draws = draws and not greedy_only
+  if draws and (noise is None or greedy is None):
+    raise ValueError("noise, greedy: the sampling variant with draws needs both")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None
@@ -237,11 +258,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
   inputs += [] if w1 is None else [w1]
   inputs += [w2, base_logits, temperature.astype(jnp.float32)]
   aliases = {}
-  draws = draws and not greedy_only
   if not greedy_only:
-    inputs += [noise] if draws else []
-    out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape,
-                 stat(jnp.float32)] + ([stat(jnp.int32)] if draws else [])
+    inputs += [noise, greedy.astype(jnp.int32)] if draws else []
+    out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape]
+    out_shape += [] if draws else [stat(jnp.float32)]
     if corrected is not None:
       inputs.append(corrected)
       aliases = {len(inputs) - 1: 0}
@@ -251,7 +271,8 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
   outs = pl.pallas_call(
       functools.partial(_kernel, gathers=w1 is not None, greedy_only=greedy_only, draws=draws,
                         step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
-                        tiles_per_program=tiles_per_program),
+                        tiles_per_program=tiles_per_program,
+                        reverse=serpentine and step % 2 == 1, cache_hints=cache_hints),
       grid=(blocks, groups),
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * len(out_shape),
@@ -262,9 +283,5 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, w1=None, st
   )(*inputs)
   cut = lambda x: x[:batch]
   if greedy_only:
-    return StepStats(None, cut(outs[0]), cut(outs[1]), None, None, None)
-  if draws:
-    corrected, tile_max, tile_arg, score, draw = outs
-    return StepStats(corrected, cut(tile_max), cut(tile_arg), None, cut(score), cut(draw))
-  corrected, tile_max, tile_arg, mass = outs
-  return StepStats(corrected, cut(tile_max), cut(tile_arg), cut(mass), None, None)
+    return StepStats(None, cut(outs[0]), cut(outs[1]), None)
+  return StepStats(outs[0], cut(outs[1]), cut(outs[2]), cut(outs[3]) if len(outs) > 3 else None)

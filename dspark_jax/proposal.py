@@ -121,10 +121,11 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   """The γ steps unrolled: per step one `fused_step` kernel, then the token choice in XLA.
 
   A vanilla head without a confidence head has its ``W1[x_prev]`` gathered inside the kernel
-  (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). Every step's noise is drawn up front. Below
-  `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every tile draws its token in the
-  kernel and the choice is one reduction over the tiles; else the kernel gives log-masses and XLA
-  draws from the chosen tile.
+  (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). Every step's noise
+  is drawn up front. Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every tile
+  draws its token in the kernel, which keeps each row's (key, token) pair per tile, and the choice
+  is one reduction over the tiles; else the kernel gives log-masses and XLA draws from the chosen
+  tile.
   """
   options = dict(pallas_options)
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
@@ -135,7 +136,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
   interpret = jax.default_backend() == "cpu"
-  noise = None
+  noise, greedy_rows = None, greedy.astype(jnp.int32)  # converted once, not per step
   if not greedy_only:  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
     steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
@@ -150,16 +151,14 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       head_input, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
       w1 = None
     stats = fused_step.step_stats(
-        head_input, head_params["w2"], base_logits, temperature, noise, corrected, w1=w1, step=k,
-        greedy_only=greedy_only, draws=draws, interpret=interpret, **options)
+        head_input, head_params["w2"], base_logits, temperature, noise, corrected,
+        greedy=greedy_rows, w1=w1, step=k, greedy_only=greedy_only, draws=draws,
+        interpret=interpret, **options)
     corrected = stats.corrected
-    if greedy_only:
-      prev = sampling.greedy_from_tile_stats(stats.tile_max, stats.tile_argmax)
-    elif draws:
-      prev = sampling.tokens_from_tile_draws(stats.tile_max, stats.tile_argmax, stats.tile_score,
-                                             stats.tile_draw, greedy)
+    if greedy_only or draws:  # one reduction over the tiles' (key, token) pairs
+      prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)
     else:
-      prev = sampling.tokens_from_tile_stats(corrected, stats.tile_max, stats.tile_argmax,
+      prev = sampling.tokens_from_tile_stats(corrected, stats.tile_key, stats.tile_token,
                                              stats.tile_mass, greedy, temperature, noise[k], step=k)
     tokens.append(prev)
     if conf_params is not None:

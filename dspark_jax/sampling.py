@@ -189,7 +189,7 @@ def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
 
 def greedy_from_tile_stats(tile_max: jax.Array, tile_argmax: jax.Array) -> jax.Array:
   """[B] int32 argmax of whole rows from their [B, V/c] per-tile (max, first argmax) pairs."""
-  return _reduce_first_max(tile_max, tile_argmax, 1)[1]
+  return tokens_from_tile_choices(tile_max, tile_argmax)
 
 
 def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: jax.Array,
@@ -220,6 +220,25 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   return jnp.where(greedy, argmax_tokens, start + within)
 
 
+def tile_choices(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Array,
+                 tile_draw: jax.Array, greedy: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per row and tile, the (key, token) pair the token choice maximises over the tiles.
+
+  A greedy row's pair is its (max, first argmax), a sampled row's its (score, draw) (see
+  `tokens_from_tile_draws`); `fused_step`'s kernel forms the same pairs. [B, V/c] each.
+  """
+  choose = greedy[:, None]
+  return jnp.where(choose, tile_max, tile_score), jnp.where(choose, tile_argmax, tile_draw)
+
+
+def tokens_from_tile_choices(tile_key: jax.Array, tile_token: jax.Array) -> jax.Array:
+  """[B] int32: the token of the tile with the largest key (ties: the smaller token; NaN first).
+
+  One (value, index) reduction over the tiles, for greedy and sampled rows alike.
+  """
+  return _reduce_first_max(tile_key, tile_token, 1)[1]
+
+
 def tokens_from_tile_draws(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Array,
                            tile_draw: jax.Array, greedy: jax.Array) -> jax.Array:
   """`tokens_from_tile_stats` when every tile has already drawn its token (`fused_step` does).
@@ -232,11 +251,12 @@ def tokens_from_tile_draws(tile_max: jax.Array, tile_argmax: jax.Array, tile_sco
     greedy: [B] bool.
 
   Returns:
-    [B] int32 tokens, equal to `tokens_from_tile_stats`' for the same noise. The draws of one row
-    increase with the tile, so the tie rule "smaller draw" is the rule "smaller tile".
+    [B] int32 tokens, equal to `tokens_from_tile_stats`' for the same noise. The draws and argmaxes
+    of one row increase with the tile, so the tie rule "smaller token" is the rule "smaller tile",
+    and one reduction over `tile_choices` serves both kinds of row.
   """
-  sampled = _reduce_first_max(tile_score, tile_draw, 1)[1]
-  return jnp.where(greedy, greedy_from_tile_stats(tile_max, tile_argmax), sampled)
+  return tokens_from_tile_choices(*tile_choices(tile_max, tile_argmax, tile_score, tile_draw,
+                                                greedy))
 
 
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, keys: jax.Array

@@ -53,10 +53,14 @@ def bandwidth(nbytes):
   return 2 * nbytes / b2b_seconds(copy, (x,), calls=5)
 
 
-PART_OPTIONS = {"default": (), "xc": (("draws", False),)}
+PART_OPTIONS = {  # kernel options for --parts, by name
+    "default": (), "xc": (("draws", False),),
+    "plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no cache hints
+    "xc-plain": (("draws", False), ("serpentine", False), ("cache_hints", False)),
+}
 
 
-def parts(vocabs, batches, gamma, rank, dtype, repeats):
+def parts(vocabs, batches, gamma, rank, dtype, repeats, option_names=("default", "xc")):
   """Per (V, B): the γ kernels alone under several settings (no token choice in between, so no
   glue), then whole programs (pallas, unrolled, loop forms): the difference is the glue's cost."""
   from dspark_jax import fused_step
@@ -75,19 +79,22 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats):
       tiles = vocab // sampling.vocab_tile(vocab)
       noise = jax.random.gumbel(jax.random.key(3), (gamma, batch, tiles + vocab // tiles))
 
-      def kernels(vs, w2, base, temperature, noise, greedy_only, options):
+      greedy = (jnp.arange(batch) % 2 == 0).astype(jnp.int32)
+
+      def kernels(vs, w2, base, temperature, noise, greedy, greedy_only, options):
         corrected, acc = None, 0.0
         for k in range(gamma):  # a different v per step: nothing for XLA to share between steps
-          corrected, tile_max, *_ = fused_step.step_stats(
-              vs[k], w2, base, temperature, noise, corrected, step=k, greedy_only=greedy_only,
-              interpret=interpret, **dict(options))
-          acc = acc + tile_max[0, 0]
+          corrected, tile_key, *_ = fused_step.step_stats(
+              vs[k], w2, base, temperature, noise, corrected, greedy=greedy, step=k,
+              greedy_only=greedy_only, interpret=interpret, **dict(options))
+          acc = acc + tile_key[0, 0]
         return acc, corrected
 
-      for name, options in PART_OPTIONS.items():
+      for name in option_names:
+        options = PART_OPTIONS[name]
         for greedy_only in (True, False):
           fn = jax.jit(functools.partial(kernels, greedy_only=greedy_only, options=options))
-          fargs = (vs, w2, base, temperature, noise)
+          fargs = (vs, w2, base, temperature, noise, greedy)
           try:
             seconds = b2b_seconds(fn.lower(*fargs).compile(), fargs, repeats=repeats)
             cells.append(f"kern {'g' if greedy_only else 's'} {name} {seconds * 1e6:.1f} "
@@ -121,6 +128,7 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
     "pallas-w8": (("num_warps", 8),),
     "pallas-s4": (("num_stages", 4),),
+    "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
 }
 
 SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
@@ -138,6 +146,9 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--only", help="comma-separated variant names to keep, e.g. 'loop sampling'")
   parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
+  parser.add_argument("--part-options", default="default,xc",
+                      help=f"--parts: comma-separated names from {', '.join(PART_OPTIONS)}")
+  parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA graph")
   args = parser.parse_args(argv)
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
@@ -161,7 +172,8 @@ def main(argv=None):
     variants = [v for v in variants if v[0] in args.only.split(",")]
   bw = bandwidth(64 * 2**20 if args.small else 2**30)
   if args.parts:
-    return parts(vocabs[:1], batches, gamma, rank, dtype, args.repeats)
+    return parts(vocabs[:1], batches, gamma, rank, dtype, args.repeats,
+                 args.part_options.split(","))
   floor_bw = bw if args.small else SPEC_BANDWIDTH
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS="
         f"{os.environ.get('XLA_FLAGS', '')!r}, copy {bw / 1e12:.2f} TB/s measured, floor at "
@@ -201,7 +213,7 @@ def main(argv=None):
           row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:300]}"
       print({k: (f"{v * 1e6:.1f}us" if isinstance(v, float) and k not in ("V", "B")
                  and "equal" not in k else v) for k, v in row.items()}, flush=True)
-      if torch_reference.available() and not args.tune:
+      if torch_reference.available() and not (args.tune or args.no_torch):
         try:
           run = torch_reference.time_cuda_graph(
               np.asarray(head.arrays()["w1"], np.float32),

@@ -155,7 +155,9 @@ def test_sample_block_rejects_bad_inputs(edit, match):
     dj.sample_block(head, **edit(_inputs()))
 
 
-XLA_CHOICE = (("w1_in_kernel", False), ("draws", False))  # the kernel's non-default paths
+# The kernel's non-default paths (tiles walked in order on every step, no cache hints too).
+XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
+              ("cache_hints", False))
 TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
 
 
