@@ -9,12 +9,12 @@ printed too), plus the PyTorch CUDA-graph loop (`torch_reference`) when torch ha
 sampling form is checked once against the first one run (``loop`` by default): corrected logits and
 tokens. Arguments are put on the device first, as inside a decoding loop.
 
-``--tune`` instead times the pallas form under several kernel settings (rows per instance, warps,
-stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole programs.
+``--tune`` instead times the pallas form under the kernel settings it is given (rows per instance,
+warps, stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole programs.
 XLA flags are process-wide: run again under another ``XLA_FLAGS`` to compare them.
 
   PYTHONPATH=. python3 scripts/explore_sampler.py                # GPU, the issue's shapes
-  PYTHONPATH=. python3 scripts/explore_sampler.py --tune         # GPU, pallas settings
+  PYTHONPATH=. python3 scripts/explore_sampler.py --tune 'num_warps=2;num_stages=2'  # settings
   PYTHONPATH=. python3 scripts/explore_sampler.py --small        # CPU smoke check
 """
 
@@ -127,8 +127,13 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-xc": (("draws", False),),                     # the chosen tile's draw in XLA
     "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
     "pallas-w8": (("num_warps", 8),),
+    "pallas-r32": (("rows", 32),),                        # more, smaller row blocks: occupancy
+    "pallas-r32w8": (("rows", 32), ("num_warps", 8)),
+    "pallas-r16": (("rows", 16),),
     "pallas-s4": (("num_stages", 4),),
     "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
+    "pallas-chain": (("chain", True),),                   # token choice in the next step's kernel
+    "pallas-nochain": (("chain", False),),
 }
 
 SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
@@ -137,7 +142,9 @@ SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the flo
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
-  parser.add_argument("--tune", action="store_true")
+  parser.add_argument("--tune", metavar="SETTINGS",
+                      help="time the pallas form under kernel settings against its defaults, e.g. "
+                           "'num_warps=2,num_stages=2;tiles_per_program=2'")
   parser.add_argument("--parts", action="store_true",
                       help="time the parts of a step instead: 7 kernels alone, 7 cuBLAS products")
   parser.add_argument("--forms", default="loop,unrolled,pallas,pallas-xg",
@@ -153,13 +160,10 @@ def main(argv=None):
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
   if args.tune:
-    vocabs = vocabs[:1]
-    settings = [(), (("tiles_per_program", 8), ("num_stages", 3)),
-                (("tiles_per_program", 8), ("k_chunk", 64), ("num_stages", 3)),
-                (("k_chunk", 64), ("num_stages", 3)),
-                (("tiles_per_program", 4), ("num_stages", 3), ("num_warps", 8)),
-                (("tiles_per_program", 16), ("k_chunk", 128), ("num_stages", 3))]
-    variants = [("pallas " + (",".join(f"{k[:5]}{v}" for k, v in o) or "default")
+    settings = [()] + [tuple((name, int(value)) for name, value in
+                             (pair.split("=") for pair in setting.split(",")))
+                       for setting in args.tune.split(";")]
+    variants = [("pallas " + ("+".join(f"{k[:5]}{v}" for k, v in o) or "default")
                  + (" greedy" if g else " sampling"), "pallas", o, g)
                 for o in settings for g in (False, True)]
   else:
