@@ -47,7 +47,6 @@ from dspark_jax import sampling
 
 MIN_ROWS = 16  # a dot on the matrix units needs at least 16 rows
 MIN_TILE = 16
-CHOICE_CHUNK = 128  # tiles per step of the in-kernel token choice (``choices``)
 
 
 def supports(vocab: int) -> bool:
@@ -93,13 +92,9 @@ def _row_first_max(values, indices):
   return _key_value(best), first
 
 
-def _one_tile(j, v_ref, tokens, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
-              corrected_ref, key_ref, token_ref, mass_ref, *, row0, step, batch, rows, tile,
-              k_chunk, cache_hints):
-  """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics.
-
-  With `w1_ref`, the rows' vector is ``W1[tokens]`` ([rows] int32); else it is read from `v_ref`.
-  """
+def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref,
+              key_ref, token_ref, mass_ref, *, row0, step, batch, rows, tile, k_chunk, cache_hints):
+  """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
   row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -109,6 +104,8 @@ def _one_tile(j, v_ref, tokens, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, g
   rank = w2_ref.shape[0]
   # W2 is read by every step of the block; U_k and the corrected logits once: ask L2 to keep W2.
   keep, stream = ("evict_last", "evict_first") if cache_hints else (None, None)
+  if w1_ref is not None:  # v = W1[tokens], gathered here; rows past the batch read token 0
+    tokens = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
 
   def load_v(start, width):  # rows past the batch read as zeros: v is not padded
     mask = jnp.broadcast_to(valid[:, None], (rows, width))
@@ -147,47 +144,19 @@ def _one_tile(j, v_ref, tokens, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, g
     greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
     key = jnp.where(greedy, key, mass + tile_noise)
     token = jnp.where(greedy, token, draw)
-  # Statistics are [B, tiles]: row-major, so the reduction over tiles reads contiguous memory.
-  plgpu.store(key_ref.at[row_slice, j], key, mask=valid)
-  plgpu.store(token_ref.at[row_slice, j], token, mask=valid)
+  # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
+  key_ref[row_slice, j] = key
+  token_ref[row_slice, j] = token
   if mass_ref is not None:
-    plgpu.store(mass_ref.at[row_slice, j], mass, mask=valid)
+    mass_ref[row_slice, j] = mass
 
 
-def _chosen_tokens(key_ref, token_ref, row_slice, valid, rows):
-  """Per row, the token of the tile with the largest key: `sampling.tokens_from_tile_choices`.
-
-  Walks the [B, tiles] pairs in chunks of a power of two; the last chunk starts early enough to end
-  at the last tile (pairs seen twice do not change a maximum), so no load leaves the arrays.
-  """
-  tiles = key_ref.shape[1]
-  width = min(CHOICE_CHUNK, 1 << (tiles.bit_length() - 1))
-  mask = jnp.broadcast_to(valid[:, None], (rows, width))
-
-  def chunk(i, carry):
-    best, token = carry
-    cols = pl.ds(jnp.minimum(i * width, tiles - width), width)
-    keys = _order_keys(plgpu.load(key_ref.at[row_slice, cols], mask=mask, other=0.0))
-    tokens = plgpu.load(token_ref.at[row_slice, cols], mask=mask, other=0)
-    chunk_best = jnp.max(keys, axis=1)
-    chunk_token = jnp.min(jnp.where(keys == chunk_best[:, None], tokens, _BIG_INDEX), axis=1)
-    better = (chunk_best > best) | ((chunk_best == best) & (chunk_token < token))
-    return jnp.where(better, chunk_best, best), jnp.where(better, chunk_token, token)
-
-  start = (jnp.full((rows,), np.iinfo(np.int32).min, jnp.int32), jnp.full((rows,), _BIG_INDEX))
-  return jax.lax.fori_loop(0, -(-tiles // width), chunk, start)[1]
-
-
-def _kernel(*refs, gathers, chained, greedy_only, draws, tiles, tiles_per_program, reverse,
-            **static):
+def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, reverse, **static):
   refs = list(refs)
   v_ref = refs.pop(0)
-  prev_token_ref = refs.pop(0) if chained else None
   w1_ref = refs.pop(0) if gathers else None
   w2_ref, base_ref, temp_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  noise_ref = greedy_ref = corrected_ref = mass_ref = chosen_ref = None
-  if chained:
-    chosen_ref = refs.pop()
+  noise_ref = greedy_ref = corrected_ref = mass_ref = None
   if greedy_only:
     key_ref, token_ref = refs
   elif draws:  # an aliased corrected input may come before the outputs
@@ -196,25 +165,12 @@ def _kernel(*refs, gathers, chained, greedy_only, draws, tiles, tiles_per_progra
   else:
     corrected_ref, key_ref, token_ref, mass_ref = refs[-4:]
   block, group = pl.program_id(0), pl.program_id(1)
-  rows = static["rows"]
-  row0 = block * rows
-  row_slice = pl.ds(row0, rows)
-  valid = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < static["batch"]
-  tokens = None
-  if chained:  # the previous step's token choice, redone by every instance
-    tokens = _chosen_tokens(v_ref, prev_token_ref, row_slice, valid, rows)
-
-    @pl.when(group == 0)
-    def _():
-      plgpu.store(chosen_ref.at[row_slice], tokens, mask=valid)
-  elif gathers:  # rows past the batch read token 0
-    tokens = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
   if reverse:  # instances start in program order: the last tiles first
     group = pl.num_programs(1) - 1 - group
-  run = functools.partial(_one_tile, v_ref=v_ref, tokens=tokens, w1_ref=w1_ref, w2_ref=w2_ref,
-                          base_ref=base_ref, temp_ref=temp_ref, noise_ref=noise_ref,
-                          greedy_ref=greedy_ref, corrected_ref=corrected_ref, key_ref=key_ref,
-                          token_ref=token_ref, mass_ref=mass_ref, row0=row0, **static)
+  run = functools.partial(_one_tile, v_ref=v_ref, w1_ref=w1_ref, w2_ref=w2_ref, base_ref=base_ref,
+                          temp_ref=temp_ref, noise_ref=noise_ref, greedy_ref=greedy_ref,
+                          corrected_ref=corrected_ref, key_ref=key_ref, token_ref=token_ref,
+                          mass_ref=mass_ref, row0=block * static["rows"], **static)
   if tiles_per_program == 1:
     run(group)
     return
@@ -242,14 +198,12 @@ class StepStats(NamedTuple):
   tile_key: jax.Array           # f32: the tile's max; a sampled row's score with ``draws``
   tile_token: jax.Array         # int32 column: the tile's first argmax; a sampled row's draw
   tile_mass: jax.Array | None   # f32 logsumexp(tile / T) (sampling, ``draws=False``)
-  chosen: jax.Array | None = None  # [B] int32: the previous step's tokens (with ``choices``)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "serpentine", "cache_hints", "interpret"))
-def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None,
-               choices=None, step,
+def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
                greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
                tiles_per_program=1, serpentine=True, cache_hints=True,
                interpret=False) -> StepStats:
@@ -267,10 +221,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant with ``draws``.
       Pass it as int32 to spare a conversion per step.
     w1: [V, r] the head's first matrix, or None (then `v` is the vector).
-    choices: with `w1`, instead of tokens in `v` (then ignored): the previous step's
-      ``(tile_key, tile_token)``; every kernel instance picks its rows' tokens from them itself
-      (`sampling.tokens_from_tile_choices`), so no XLA reduction runs between the steps, and
-      ``chosen`` returns those tokens. Every instance reads its rows' B x V/c pairs: for small B.
     step: static block position. greedy_only: no corrected logits, masses, scores or draws.
     draws: sampling variant: each tile draws its token, and a sampled row's (key, token) per tile is
       (score, draw), a greedy row's (max, first argmax) (`sampling.tile_choices`); else the kernel
@@ -289,7 +239,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   Returns:
     A `StepStats`.
   """
-  batch = (v if choices is None else choices[0]).shape[0]
+  batch = v.shape[0]
   rank, vocab = w2.shape
   tile = sampling.vocab_tile(vocab)
   if tile < MIN_TILE:
@@ -297,19 +247,14 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   draws = draws and not greedy_only
   if draws and (noise is None or greedy is None):
     raise ValueError("noise, greedy: the sampling variant with draws needs both")
-  if choices is not None and w1 is None:
-    raise ValueError("choices: needs w1 (the kernel gathers W1 rows of the chosen tokens)")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None
   blocks = -(-batch // rows)
   tiles = vocab // tile
-  stat = lambda dtype: jax.ShapeDtypeStruct((batch, tiles), dtype)
+  stat = lambda dtype: jax.ShapeDtypeStruct((blocks * rows, tiles), dtype)
   out_shape = [stat(jnp.float32), stat(jnp.int32)]
-  if choices is not None:
-    inputs = [choices[0].astype(jnp.float32), choices[1].astype(jnp.int32)]
-  else:
-    inputs = [v.astype(jnp.int32) if w1 is not None else v.astype(w2.dtype)]
+  inputs = [v.astype(jnp.int32) if w1 is not None else v.astype(w2.dtype)]
   inputs += [] if w1 is None else [w1]
   inputs += [w2, base_logits, temperature.astype(jnp.float32)]
   aliases = {}
@@ -320,13 +265,11 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     if corrected is not None:
       inputs.append(corrected)
       aliases = {len(inputs) - 1: 0}
-  out_shape += [] if choices is None else [jax.ShapeDtypeStruct((batch,), jnp.int32)]
   groups = -(-tiles // tiles_per_program)
   params = {name: value for name, value in (("num_warps", num_warps),
                                              ("num_stages", num_stages)) if value}
   outs = pl.pallas_call(
-      functools.partial(_kernel, gathers=w1 is not None, chained=choices is not None,
-                        greedy_only=greedy_only, draws=draws,
+      functools.partial(_kernel, gathers=w1 is not None, greedy_only=greedy_only, draws=draws,
                         step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
                         tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints),
@@ -338,8 +281,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       compiler_params=plgpu.CompilerParams(**params) if params else None,
       interpret=interpret,
   )(*inputs)
-  outs = list(outs)
-  chosen = outs.pop() if choices is not None else None
+  cut = lambda x: x[:batch]
   if greedy_only:
-    return StepStats(None, outs[0], outs[1], None, chosen)
-  return StepStats(outs[0], outs[1], outs[2], outs[3] if len(outs) > 3 else None, chosen)
+    return StepStats(None, cut(outs[0]), cut(outs[1]), None)
+  return StepStats(outs[0], cut(outs[1]), cut(outs[2]), cut(outs[3]) if len(outs) > 3 else None)

@@ -47,10 +47,6 @@ TILE_DRAWS_BELOW_BATCH = 64
 """Batches below this draw every tile's token in the kernel (``draws``); larger ones draw in XLA from
 the chosen tile: the per-tile draws cost the kernel more than the XLA draw costs at 64 rows and up
 (H200, BENCHMARKS.md, issue 6)."""
-CHAIN_UP_TO_BATCH = 1
-"""Batches up to this size choose each step's tokens inside the next step's kernel (``chain``): no
-XLA reduction between the steps, but every kernel instance reads its rows' B x V/c (key, token)
-pairs (H200, BENCHMARKS.md, issue 6)."""
 
 
 def choose_form(greedy_only: bool, vocab: int, platform: str | None = None) -> str:
@@ -136,10 +132,6 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   draws = options.pop("draws", base_logits.shape[0] < TILE_DRAWS_BELOW_BATCH)
   batch, gamma, vocab = base_logits.shape
-  # The choice inside the next step's kernel needs the kernel's W1 gather and (key, token) pairs.
-  chain = (options.pop("chain", batch <= CHAIN_UP_TO_BATCH) and w1_in_kernel
-           and (greedy_only or draws))
-  choices = None
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
@@ -160,14 +152,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       w1 = None
     stats = fused_step.step_stats(
         head_input, head_params["w2"], base_logits, temperature, noise, corrected,
-        greedy=greedy_rows, w1=w1, choices=choices, step=k, greedy_only=greedy_only, draws=draws,
+        greedy=greedy_rows, w1=w1, step=k, greedy_only=greedy_only, draws=draws,
         interpret=interpret, **options)
     corrected = stats.corrected
-    if chain:  # this kernel chose the previous step's tokens; the next one chooses this step's
-      if k:
-        tokens.append(stats.chosen)
-      choices = (stats.tile_key, stats.tile_token)
-      continue
     if greedy_only or draws:  # one reduction over the tiles' (key, token) pairs
       prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)
     else:
@@ -176,8 +163,6 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
-  if chain:
-    tokens.append(sampling.tokens_from_tile_choices(*choices))
   return (jnp.stack(tokens, axis=1), corrected,
           None if conf_params is None else jnp.stack(confidence, axis=1))
 

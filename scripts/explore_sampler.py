@@ -132,8 +132,6 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-r16": (("rows", 16),),
     "pallas-s4": (("num_stages", 4),),
     "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
-    "pallas-chain": (("chain", True),),                   # token choice in the next step's kernel
-    "pallas-nochain": (("chain", False),),
 }
 
 SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
