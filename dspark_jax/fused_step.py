@@ -15,17 +15,21 @@ kernel per (row block, vocabulary tile) does it all while the tile is in registe
   tile's *score* (that log-mass plus the tile's Gumbel draw) and its *draw*
   ``argmax(corrected / T + G_inner)``, the token the tile would give if chosen. Every tile uses the
   row's same inner noise, so drawing in every tile and keeping the chosen tile's draw is the same
-  draw as reading the chosen tile afterwards (`sampling` explains the two-level draw).
+  draw as reading the chosen tile afterwards (`sampling` explains the two-level draw). With draws
+  the kernel stores only the pair each row's choice maximises (`sampling.tile_choices`).
 
 With draws, the token choice left to XLA is one reduction over the tiles
-(`sampling.tokens_from_tile_draws`); without, XLA draws the tile and rereads it
+(`sampling.tokens_from_tile_choices`); without, XLA draws the tile and rereads it
 (`sampling.tokens_from_tile_stats`). The draws cost arithmetic on every logit, so they pay at small
 batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
-blocks after the first find their W2 tile in L2: they run next to each other). On an H200
-(BENCHMARKS.md, issue 6) the γ kernels alone run at 1.43-1.48x that floor for greedy-only and
-1.6-2.2x for sampling, where, at large batches, the per-logit arithmetic rather than memory bounds
-them. Row maxima use integer keys that order like the floats (`_order_keys`): Triton's float max
-drops NaN, and the keys need two reductions where explicit NaN handling needs four.
+blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
+H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
+before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
+(BENCHMARKS.md, issue 6) whole programs run at 1.3-1.6x that floor for greedy-only and 1.6-2.6x
+for sampling; at large batches the sampling kernel is latency-bound (204 registers per thread leave
+8 warps per SM), at small ones the grid leaves a partial wave. Row maxima use integer keys that
+order like the floats (`_order_keys`): Triton's float max drops NaN, and the keys need two
+reductions where explicit NaN handling needs four.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
