@@ -249,8 +249,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   if tile < MIN_TILE:
     raise ValueError(f"w2: vocab {vocab} has no power-of-two tile >= {MIN_TILE}; use the XLA form")
   draws = draws and not greedy_only
-  if draws and (noise is None or greedy is None):
-    raise ValueError("noise, greedy: the sampling variant with draws needs both")
+  if draws and noise is None:
+    raise ValueError("noise: the sampling variant with draws needs every step's tile noise")
+  if draws and greedy is None:
+    raise ValueError("greedy: the sampling variant with draws needs the rows' greedy mask")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None

@@ -10,7 +10,8 @@ sampling form is checked once against the first one run (``loop`` by default): c
 tokens. Arguments are put on the device first, as inside a decoding loop.
 
 ``--tune`` instead times the pallas form under the kernel settings it is given (rows per instance,
-warps, stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole programs.
+warps, stages, rank chunks, tiles per instance); ``--parts`` times the kernels alone against whole
+programs (``--part-options`` names the kernel settings).
 XLA flags are process-wide: run again under another ``XLA_FLAGS`` to compare them.
 
   PYTHONPATH=. python3 scripts/explore_sampler.py                # GPU, the shapes

@@ -259,6 +259,20 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
 
 
+def test_kernel_step_with_draws_needs_noise_and_greedy_mask():
+  batch, gamma, vocab, rank = 2, 1, 64, 16
+  w2 = jnp.zeros((rank, vocab), jnp.float32)
+  base = jnp.zeros((batch, gamma, vocab), jnp.float32)
+  noise = jnp.zeros((gamma, batch, vocab // 64 + 64), jnp.float32)
+  v, temperature = jnp.zeros((batch, rank)), jnp.ones((batch,))
+  with pytest.raises(ValueError, match="^greedy: "):
+    fused_step.step_stats(v, w2, base, temperature, noise, None, step=0, greedy_only=False,
+                          interpret=True)
+  with pytest.raises(ValueError, match="^noise: "):
+    fused_step.step_stats(v, w2, base, temperature, None, None, greedy=jnp.zeros(batch, bool),
+                          step=0, greedy_only=False, interpret=True)
+
+
 def test_kernel_first_max_keys_match_argmax():
   # `fused_step` reduces integer keys, not floats (Triton's float max drops NaN). The keys must give
   # jnp.argmax's answer and the max: 200 rows of 64 values with exact ties, signed zeros, ±inf,
