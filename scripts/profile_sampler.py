@@ -8,6 +8,9 @@ call inside ``cudaProfilerStart``/``Stop`` so that
       python3 scripts/profile_sampler.py --form pallas --batch 1
 
 lists every kernel of that call with its duration and DRAM traffic: which part of a step costs what.
+For one step kernel's full sections (occupancy, registers, stalls), select it instead, e.g.
+``ncu ... -k regex:^_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section
+Occupancy --section WarpStateStats``, with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (BENCHMARKS.md).
 `summarize` turns ncu's CSV into a per-kernel table (run it on the log: ``--summarize LOG``).
 """
 
