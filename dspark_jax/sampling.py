@@ -187,11 +187,6 @@ def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
   return noise.reshape(*keys.shape, tiles + tile)
 
 
-def greedy_from_tile_stats(tile_max: jax.Array, tile_argmax: jax.Array) -> jax.Array:
-  """[B] int32 argmax of whole rows from their [B, V/c] per-tile (max, first argmax) pairs."""
-  return tokens_from_tile_choices(tile_max, tile_argmax)
-
-
 def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: jax.Array,
                            tile_mass: jax.Array, greedy: jax.Array, temperature: jax.Array,
                            noise: jax.Array, *, step: int | None = None) -> jax.Array:
@@ -209,7 +204,7 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   """
   tiles = tile_max.shape[1]
   tile = logits.shape[-1] // tiles
-  argmax_tokens = greedy_from_tile_stats(tile_max, tile_argmax)
+  argmax_tokens = tokens_from_tile_choices(tile_max, tile_argmax)  # a greedy row's key is its max
   start = argmax_last(tile_mass + noise[:, :tiles]) * tile
   if step is None:
     window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, start)
@@ -234,7 +229,8 @@ def tile_choices(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Ar
 def tokens_from_tile_choices(tile_key: jax.Array, tile_token: jax.Array) -> jax.Array:
   """[B] int32: the token of the tile with the largest key (ties: the smaller token; NaN first).
 
-  One (value, index) reduction over the tiles, for greedy and sampled rows alike.
+  One (value, index) reduction over the tiles, for greedy and sampled rows alike; with the tiles'
+  (max, first argmax) pairs it is the rows' argmax.
   """
   return _reduce_first_max(tile_key, tile_token, 1)[1]
 

@@ -74,7 +74,7 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats, option_names=("default",
       base = (3.0 * jax.random.normal(jax.random.key(1), (batch, gamma, vocab))).astype(dtype)
       vs = jax.random.normal(jax.random.key(2), (gamma, batch, rank), jnp.float32)
       temperature = jnp.full((batch,), 0.8, jnp.float32)
-      floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / SPEC_BANDWIDTH
+      floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / bench_sampler.SPEC_COPY_RATE
       cells = []
 
       tiles = vocab // sampling.vocab_tile(vocab)
@@ -135,9 +135,6 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
 }
 
-SPEC_BANDWIDTH = 4.27e12  # bytes/s, SPEC §9's measured H200 copy rate: the floor's denominator
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
@@ -177,7 +174,7 @@ def main(argv=None):
   if args.parts:
     return parts(vocabs[:1], batches, gamma, rank, dtype, args.repeats,
                  args.part_options.split(","))
-  floor_bw = bw if args.small else SPEC_BANDWIDTH
+  floor_bw = bw if args.small else bench_sampler.SPEC_COPY_RATE
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS="
         f"{os.environ.get('XLA_FLAGS', '')!r}, copy {bw / 1e12:.2f} TB/s measured, floor at "
         f"{floor_bw / 1e12:.2f} TB/s", flush=True)
