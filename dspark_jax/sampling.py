@@ -204,15 +204,18 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   """
   tiles = tile_max.shape[1]
   tile = logits.shape[-1] // tiles
-  argmax_tokens = tokens_from_tile_choices(tile_max, tile_argmax)  # a greedy row's key is its max
-  start = argmax_last(tile_mass + noise[:, :tiles]) * tile
-  if step is None:
-    window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, start)
+  # One reduction chooses for both kinds of row: a greedy row's token, a sampled row's tile (as
+  # its first column; the tie rule "smaller token" is then "smaller tile").
+  starts = jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32) * tile, tile_max.shape)
+  chosen = tokens_from_tile_choices(*tile_choices(tile_max, tile_argmax,
+                                                  tile_mass + noise[:, :tiles], starts, greedy))
+  if step is None:  # a greedy row reads some window too (clamped), and ignores it
+    window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, chosen)
   else:
     window = jax.vmap(lambda rows, s: jax.lax.dynamic_slice(rows, (step, s), (1, tile))[0])(
-        logits, start)
+        logits, chosen)
   within = argmax_last(window.astype(jnp.float32) / temperature[:, None] + noise[:, tiles:])
-  return jnp.where(greedy, argmax_tokens, start + within)
+  return jnp.where(greedy, chosen, chosen + within)
 
 
 def tile_choices(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Array,

@@ -44,6 +44,22 @@ def b2b_seconds(fn, args, repeats=20, warmup=3, calls=10):
   return bench_sampler.pipelined_seconds(fn, args, repeats, warmup, calls)
 
 
+def chained_program(calls, **block_options):
+  """One program of `calls` folded-block calls in a row, each drafting from the last one's final
+  token at positions γ further on (as a decoding loop would): per-call time without the host's
+  per-call dispatch, the way the sampler runs inside `decoding.generate`'s compiled loop."""
+  def run(head_arrays, conf, base, anchor, hidden, greedy, temperature, seeds, positions, key):
+    outs = []
+    for i in range(calls):
+      tokens, corrected, _ = proposal.folded_block(
+          head_arrays, conf, base, anchor, hidden, greedy, temperature, seeds,
+          positions + i * base.shape[1], key, kind="vanilla", **block_options)
+      anchor = tokens[:, -1]
+      outs.append((tokens, corrected))
+    return outs
+  return jax.jit(run)
+
+
 def bandwidth(nbytes):
   """Copy rate (bytes read + written per second); runs ~2 s of copies first so clocks settle."""
   x = jnp.ones((nbytes // 2,), jnp.bfloat16)
@@ -152,6 +168,8 @@ def main(argv=None):
   parser.add_argument("--part-options", default="default,xc",
                       help=f"--parts: comma-separated names from {', '.join(PART_OPTIONS)}")
   parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA graph")
+  parser.add_argument("--in-program", type=int, default=0, metavar="N",
+                      help="also time N calls chained inside one program (per call)")
   args = parser.parse_args(argv)
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
@@ -209,6 +227,11 @@ def main(argv=None):
               row[f"{name} tokens equal"] = float(np.mean(np.asarray(out[0])
                                                           == np.asarray(reference[0])))
           row[name] = b2b_seconds(compiled, call_args, repeats=args.repeats)
+          if args.in_program:
+            chain = chained_program(args.in_program, greedy_only=greedy_only, form=form,
+                                    pallas_options=options).lower(*call_args).compile()
+            row[f"{name} in-program"] = b2b_seconds(chain, call_args, repeats=args.repeats,
+                                                    calls=3) / args.in_program
         except Exception as error:  # an experiment: report and go on
           row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:300]}"
       print({k: (f"{v * 1e6:.1f}us" if isinstance(v, float) and k not in ("V", "B")
@@ -224,7 +247,8 @@ def main(argv=None):
           row["torch error"] = f"{type(error).__name__}: {str(error)[:300]}"
         print({k: v for k, v in row.items() if k.startswith("torch")}, flush=True)
       rows.append(row)
-  names = [n for n, *_ in variants] + (["torch graph"] if any("torch graph" in r for r in rows)
+  names = [m for n, *_ in variants for m in ([n, f"{n} in-program"] if args.in_program else [n])]
+  names += (["torch graph"] if any("torch graph" in r for r in rows)
                                        else [])
   print("\n| V | B | floor µs | " + " | ".join(f"{n} µs (×floor)" for n in names) + " |")
   print("|---:|---:|---:|" + "---:|" * len(names))

@@ -54,8 +54,10 @@ def run(args):
                             np.full(batch, 1000))
   call_args = (head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"],
                r["seeds"], r["positions"], jax.random.key(0))
+  options = tuple((name, int(value)) for name, value in
+                  (pair.split("=") for pair in args.options.split(",") if pair))
   compiled = proposal.folded_block.lower(*call_args, kind="vanilla", greedy_only=args.greedy,
-                                         form=args.form).compile()
+                                         form=args.form, pallas_options=options).compile()
   for _ in range(3):
     jax.block_until_ready(compiled(*call_args))
   start, stop = _profiler()
@@ -95,6 +97,7 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--vocab", type=int, default=129280)
   parser.add_argument("--greedy", action="store_true")
+  parser.add_argument("--options", default="", help="kernel settings, e.g. 'late_base=1,rows=32'")
   parser.add_argument("--summarize", metavar="LOG")
   args = parser.parse_args()
   if args.summarize:
