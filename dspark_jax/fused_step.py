@@ -10,24 +10,25 @@ kernel per (row block, vocabulary tile) does it all while the tile is in registe
 * ``bias = v[rows] @ W2[:, tile]`` in float32 (``W2[:, tile]`` is read once for the whole row block);
 * ``corrected = round(U_k[rows, tile] + bias)`` written straight into slice k of the [B, γ, V] output
   (sampling variant only);
-* per row and tile: the max and its first column (NaN first), for greedy rows; for sampled rows the
-  tile's log-mass ``logsumexp(corrected / T)`` (`sampling.tile_log_mass`), or, with ``draws``, the
-  tile's *score* (that log-mass plus the tile's Gumbel draw) and its *draw*
-  ``argmax(corrected / T + G_inner)``, the token the tile would give if chosen. Every tile uses the
-  row's same inner noise, so drawing in every tile and keeping the chosen tile's draw is the same
-  draw as reading the chosen tile afterwards (`sampling` explains the two-level draw). With draws
-  the kernel stores only the pair each row's choice maximises (`sampling.tile_choices`).
+* per row and tile, the (key, token) pair the row's choice maximises over the tiles
+  (`sampling.tile_choices`): for a greedy row the max and its first column (NaN first); for a
+  sampled row the tile's *score* (its log-mass ``logsumexp(corrected / T)``,
+  `sampling.tile_log_mass`, plus the tile's Gumbel draw) and, with ``draws``, the tile's *draw*
+  ``argmax(corrected / T + G_inner)``, the token the tile would give if chosen, or else the tile's
+  first column. Every tile uses the row's same inner noise, so drawing in every tile and keeping the
+  chosen tile's draw is the same draw as reading the chosen tile afterwards (`sampling` explains the
+  two-level draw).
 
-With draws, the token choice left to XLA is one reduction over the tiles
-(`sampling.tokens_from_tile_choices`); without, XLA draws the tile and rereads it
-(`sampling.tokens_from_tile_stats`). The draws cost arithmetic on every logit, so they pay at small
+The token choice left to XLA is one reduction over the tiles (`sampling.tokens_from_tile_choices`);
+without draws, XLA then draws inside each sampled row's chosen tile, rereading it
+(`sampling.tokens_in_chosen_tiles`). The draws cost arithmetic on every logit, so they pay at small
 batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
 blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
 H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
 before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
-(BENCHMARKS.md, issue 6) whole programs run at 1.3-1.6x that floor for greedy-only and 1.6-2.6x
-for sampling; at large batches the sampling kernel is latency-bound (204 registers per thread leave
-8 warps per SM), at small ones the grid leaves a partial wave. Row maxima use integer keys that
+(BENCHMARKS.md, issue 6) whole programs run at 1.3-1.6x that floor for greedy-only and 1.5-2.4x
+for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
+8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
 order like the floats (`_order_keys`): Triton's float max drops NaN, and the keys need two
 reductions where explicit NaN handling needs four.
 
@@ -97,8 +98,8 @@ def _row_first_max(values, indices):
 
 
 def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref,
-              key_ref, token_ref, mass_ref, *, row0, step, batch, rows, tile, k_chunk, cache_hints,
-              late_base):
+              key_ref, token_ref, *, row0, step, batch, rows, tile, k_chunk, cache_hints, late_base,
+              draws):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -142,23 +143,23 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_re
   x = corrected.astype(jnp.float32)
   columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
   key, token = _row_first_max(x, columns)
-  if mass_ref is not None or noise_ref is not None:
+  if noise_ref is not None:  # sampled rows keep (score, draw or first column) (`tile_choices`)
     temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
-    mass = sampling.tile_log_mass(x, key, temperature)
-  if noise_ref is not None:  # this tile's draw; sampled rows keep (score, draw) (`tile_choices`)
-    tiles = key_ref.shape[1]
-    tile_noise = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
-    inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
-                       mask=in_batch, other=0.0)
-    draw = _row_first_max(x / temperature[:, None] + inner, columns)[1]
+    score = sampling.tile_log_mass(x, key, temperature) + plgpu.load(
+        noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
+    if draws:  # the token this tile would give if chosen
+      tiles = key_ref.shape[1]
+      inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
+                         mask=in_batch, other=0.0)
+      sampled = _row_first_max(x / temperature[:, None] + inner, columns)[1]
+    else:  # XLA draws inside the chosen tile (`sampling.tokens_in_chosen_tiles`)
+      sampled = jnp.full((rows,), col0, jnp.int32)
     greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
-    key = jnp.where(greedy, key, mass + tile_noise)
-    token = jnp.where(greedy, token, draw)
+    key = jnp.where(greedy, key, score)
+    token = jnp.where(greedy, token, sampled)
   # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
   key_ref[row_slice, j] = key
   token_ref[row_slice, j] = token
-  if mass_ref is not None:
-    mass_ref[row_slice, j] = mass
 
 
 def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, reverse, **static):
@@ -166,21 +167,19 @@ def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, revers
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
   w2_ref, base_ref, temp_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  noise_ref = greedy_ref = corrected_ref = mass_ref = None
+  noise_ref = greedy_ref = corrected_ref = None
   if greedy_only:
     key_ref, token_ref = refs
-  elif draws:  # an aliased corrected input may come before the outputs
+  else:  # an aliased corrected input may come before the outputs
     noise_ref, greedy_ref = refs.pop(0), refs.pop(0)
     corrected_ref, key_ref, token_ref = refs[-3:]
-  else:
-    corrected_ref, key_ref, token_ref, mass_ref = refs[-4:]
   block, group = pl.program_id(0), pl.program_id(1)
   if reverse:  # instances start in program order: the last tiles first
     group = pl.num_programs(1) - 1 - group
   run = functools.partial(_one_tile, v_ref=v_ref, w1_ref=w1_ref, w2_ref=w2_ref, base_ref=base_ref,
                           temp_ref=temp_ref, noise_ref=noise_ref, greedy_ref=greedy_ref,
                           corrected_ref=corrected_ref, key_ref=key_ref, token_ref=token_ref,
-                          mass_ref=mass_ref, row0=block * static["rows"], **static)
+                          row0=block * static["rows"], draws=draws, **static)
   if tiles_per_program == 1:
     run(group)
     return
@@ -200,14 +199,14 @@ class StepStats(NamedTuple):
   """What `step_stats` returns: per row and vocabulary tile, [B, V/c] (``corrected`` aside).
 
   The token choice maximises ``tile_key`` over the tiles and takes that tile's ``tile_token``
-  (`sampling.tokens_from_tile_choices`), except with ``draws=False``, where the caller draws the
-  sampled rows' tokens from ``tile_mass`` (`sampling.tokens_from_tile_stats`).
+  (`sampling.tokens_from_tile_choices`); with ``draws=False`` that is a sampled row's tile, and
+  `sampling.tokens_in_chosen_tiles` draws inside it.
   """
 
   corrected: jax.Array | None   # [B, γ, V] with slice `step` written (sampling variant)
-  tile_key: jax.Array           # f32: the tile's max; a sampled row's score with ``draws``
-  tile_token: jax.Array         # int32 column: the tile's first argmax; a sampled row's draw
-  tile_mass: jax.Array | None   # f32 logsumexp(tile / T) (sampling, ``draws=False``)
+  tile_key: jax.Array           # f32: the tile's max; a sampled row's score
+  tile_token: jax.Array         # int32 column: the tile's first argmax; a sampled row's draw, or
+                                # the tile's first column without draws
 
 
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
@@ -226,16 +225,16 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     base_logits: [B, γ, V] the backbone's logits (row `step` is read).
     temperature: [B] float32 clamped draft temperatures.
     noise: [γ, B, V/c + c] float32 Gumbel noise (`sampling.tile_noise` of every step's row keys;
-      slice `step` is read), or None (greedy-only, or ``draws=False``).
+      slice `step` is read), or None (greedy-only).
     corrected: [B, γ, V] the buffer to write slice `step` of (aliased in place), or None to allocate
       it (its other slices are then unwritten); ignored by the greedy-only variant.
-    greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant with ``draws``.
-      Pass it as int32 to spare a conversion per step.
+    greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant. Pass it as
+      int32 to spare a conversion per step.
     w1: [V, r] the head's first matrix, or None (then `v` is the vector).
-    step: static block position. greedy_only: no corrected logits, masses, scores or draws.
+    step: static block position. greedy_only: no corrected logits, scores or draws.
     draws: sampling variant: each tile draws its token, and a sampled row's (key, token) per tile is
-      (score, draw), a greedy row's (max, first argmax) (`sampling.tile_choices`); else the kernel
-      gives (max, first argmax) and log-masses, and the caller draws from the chosen tile.
+      (score, draw), a greedy row's (max, first argmax) (`sampling.tile_choices`); else a sampled
+      row's pair is (score, the tile's first column), and the caller draws in the chosen tile.
     rows: static rows per kernel instance (default `row_block(B)`).
     num_warps, num_stages: Triton's (None: its default); 3 stages pipeline the W2 loads.
     k_chunk: static rank chunk of the in-kernel loop over r (None: one dot over all of r). 64
@@ -261,10 +260,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   draws = draws and not greedy_only
   if late_base is None:  # measured: helps the sampling kernel without draws, slows the others
     late_base = not greedy_only and not draws
-  if draws and noise is None:
-    raise ValueError("noise: the sampling variant with draws needs every step's tile noise")
-  if draws and greedy is None:
-    raise ValueError("greedy: the sampling variant with draws needs the rows' greedy mask")
+  if not greedy_only and noise is None:
+    raise ValueError("noise: the sampling variant needs every step's tile noise")
+  if not greedy_only and greedy is None:
+    raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None
@@ -277,9 +276,8 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   inputs += [w2, base_logits, temperature.astype(jnp.float32)]
   aliases = {}
   if not greedy_only:
-    inputs += [noise, greedy.astype(jnp.int32)] if draws else []
+    inputs += [noise, greedy.astype(jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape]
-    out_shape += [] if draws else [stat(jnp.float32)]
     if corrected is not None:
       inputs.append(corrected)
       aliases = {len(inputs) - 1: 0}
@@ -302,5 +300,5 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   )(*inputs)
   cut = lambda x: x[:batch]
   if greedy_only:
-    return StepStats(None, cut(outs[0]), cut(outs[1]), None)
-  return StepStats(outs[0], cut(outs[1]), cut(outs[2]), cut(outs[3]) if len(outs) > 3 else None)
+    return StepStats(None, cut(outs[0]), cut(outs[1]))
+  return StepStats(outs[0], cut(outs[1]), cut(outs[2]))

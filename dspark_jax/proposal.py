@@ -122,10 +122,10 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
 
   A vanilla head without a confidence head has its ``W1[x_prev]`` gathered inside the kernel
   (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). Every step's noise
-  is drawn up front. Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every tile
-  draws its token in the kernel, which keeps each row's (key, token) pair per tile, and the choice
-  is one reduction over the tiles; else the kernel gives log-masses and XLA draws from the chosen
-  tile.
+  is drawn up front. The kernel keeps each row's (key, token) pair per tile, and the choice is one
+  reduction over the tiles. Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every
+  tile has drawn its token in the kernel; else the reduction chooses a sampled row's tile and XLA
+  draws inside it.
   """
   options = dict(pallas_options)
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
@@ -155,11 +155,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
         greedy=greedy_rows, w1=w1, step=k, greedy_only=greedy_only, draws=draws,
         interpret=interpret, **options)
     corrected = stats.corrected
-    if greedy_only or draws:  # one reduction over the tiles' (key, token) pairs
-      prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)
-    else:
-      prev = sampling.tokens_from_tile_stats(corrected, stats.tile_key, stats.tile_token,
-                                             stats.tile_mass, greedy, temperature, noise[k], step=k)
+    prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
+    if not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
+      prev = sampling.tokens_in_chosen_tiles(corrected, prev, greedy, temperature, noise[k], step=k)
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))

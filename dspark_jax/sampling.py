@@ -195,7 +195,7 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   Args:
     logits: [B, V] the logits the statistics were taken of, or [B, γ, V] with `step` naming the
       row's slice (only the chosen tile of a sampled row is read again, so no slice is copied).
-    tile_max, tile_argmax, tile_mass: [B, V/c] from `tile_stats` (or the Pallas kernel).
+    tile_max, tile_argmax, tile_mass: [B, V/c] from `tile_stats`.
     greedy: [B] bool. temperature: [B] float32 (clamped).
     noise: [B, V/c + c] from `tile_noise` with the rows' keys (`row_keys`).
 
@@ -204,11 +204,31 @@ def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: 
   """
   tiles = tile_max.shape[1]
   tile = logits.shape[-1] // tiles
-  # One reduction chooses for both kinds of row: a greedy row's token, a sampled row's tile (as
-  # its first column; the tie rule "smaller token" is then "smaller tile").
   starts = jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32) * tile, tile_max.shape)
   chosen = tokens_from_tile_choices(*tile_choices(tile_max, tile_argmax,
                                                   tile_mass + noise[:, :tiles], starts, greedy))
+  return tokens_in_chosen_tiles(logits, chosen, greedy, temperature, noise, step=step)
+
+
+def tokens_in_chosen_tiles(logits: jax.Array, chosen: jax.Array, greedy: jax.Array,
+                           temperature: jax.Array, noise: jax.Array, *,
+                           step: int | None = None) -> jax.Array:
+  """Step 3 of the two-level sampler, after one reduction over (key, token) pairs chose per row.
+
+  With a sampled row's pair per tile (``S_t + G_t``, the tile's first column) and a greedy row's
+  (max, first argmax), `tokens_from_tile_choices` gives a greedy row's token and a sampled row's
+  chosen tile, as its first column (the tie rule "smaller token" is then "smaller tile"); this draws
+  the sampled rows' tokens inside their tiles.
+
+  Args:
+    logits: as in `tokens_from_tile_stats`. chosen: [B] int32 from `tokens_from_tile_choices`.
+    greedy, temperature, noise: as in `tokens_from_tile_stats`.
+
+  Returns:
+    [B] int32 tokens.
+  """
+  tile = vocab_tile(logits.shape[-1])
+  tiles = logits.shape[-1] // tile
   if step is None:  # a greedy row reads some window too (clamped), and ignores it
     window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (tile,)))(logits, chosen)
   else:

@@ -259,7 +259,8 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
 
 
-def test_kernel_step_with_draws_needs_noise_and_greedy_mask():
+@pytest.mark.parametrize("draws", [True, False])
+def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws):
   batch, gamma, vocab, rank = 2, 1, 64, 16
   w2 = jnp.zeros((rank, vocab), jnp.float32)
   base = jnp.zeros((batch, gamma, vocab), jnp.float32)
@@ -267,10 +268,10 @@ def test_kernel_step_with_draws_needs_noise_and_greedy_mask():
   v, temperature = jnp.zeros((batch, rank)), jnp.ones((batch,))
   with pytest.raises(ValueError, match="^greedy: "):
     fused_step.step_stats(v, w2, base, temperature, noise, None, step=0, greedy_only=False,
-                          interpret=True)
+                          draws=draws, interpret=True)
   with pytest.raises(ValueError, match="^noise: "):
     fused_step.step_stats(v, w2, base, temperature, None, None, greedy=jnp.zeros(batch, bool),
-                          step=0, greedy_only=False, interpret=True)
+                          step=0, greedy_only=False, draws=draws, interpret=True)
 
 
 def test_kernel_first_max_keys_match_argmax():

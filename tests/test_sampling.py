@@ -176,7 +176,8 @@ def test_tile_stats_match_float64(vocab):
 @pytest.mark.parametrize("vocab", [256, 384])
 def test_tile_draws_give_the_tokens_of_tile_stats(vocab):
   # `fused_step` draws a token in every tile and reduces (score, draw) pairs; that must pick the
-  # token `tokens_from_tile_stats` picks from the chosen tile alone, for the same noise: 400 rows
+  # token `tokens_from_tile_stats` picks from the chosen tile alone, for the same noise, and both
+  # the token of the two-level draw written out with jnp.argmax (greedy rows: the argmax): 400 rows
   # of random logits (integer-valued, so exact ties), all -inf, NaN and +inf rows, all sampled and
   # all greedy.
   rng = np.random.default_rng(vocab)
@@ -198,10 +199,17 @@ def test_tile_draws_give_the_tokens_of_tile_stats(vocab):
   draws = jnp.take_along_axis(  # argmax per tile, NaN first, as a column of the row
       jnp.broadcast_to(columns, windows.shape),
       jnp.argmax(windows, axis=-1)[..., None], axis=-1)[..., 0]
+  # The two-level draw written out with jnp.argmax (first max, NaN first), one stage at a time.
+  start = jnp.argmax(mass + noise[:, :tiles], axis=-1) * tile
+  chosen_tile = jnp.take_along_axis(x.reshape(rows, tiles, tile), (start // tile)[:, None, None],
+                                    axis=1)[:, 0]
+  direct = start + jnp.argmax(chosen_tile / temperature[:, None] + noise[:, tiles:], axis=-1)
   for greedy in (jnp.zeros(rows, bool), jnp.ones(rows, bool)):
     want = sampling.tokens_from_tile_stats(x, tile_max, tile_arg, mass, greedy, temperature, noise)
     got = sampling.tokens_from_tile_draws(tile_max, tile_arg, mass + noise[:, :tiles], draws, greedy)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    expected = jnp.argmax(x, axis=-1) if bool(greedy[0]) else direct
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(expected))
   assert int(want[0]) == 0 and int(got[2]) == 9 and int(got[3]) == 20
 
 
