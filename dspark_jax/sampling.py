@@ -242,8 +242,19 @@ def tile_choices(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Ar
                  tile_draw: jax.Array, greedy: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Per row and tile, the (key, token) pair the token choice maximises over the tiles.
 
-  A greedy row's pair is its (max, first argmax), a sampled row's its (score, draw) (see
-  `tokens_from_tile_draws`); `fused_step`'s kernel forms the same pairs. [B, V/c] each.
+  Args:
+    tile_max, tile_argmax: [B, V/c] per-tile max and first argmax (a greedy row's pair).
+    tile_score: [B, V/c] ``S_t + G_t``: the tile's log-mass plus its Gumbel draw (noise[:, :V/c]).
+    tile_draw: [B, V/c] int32, a sampled row's token per tile: the tile's own draw
+      ``argmax(logits[tile] / T + G')`` with the row's inner noise ``G' = noise[:, V/c:]`` (the same
+      for every tile), or the tile's first column (then `tokens_in_chosen_tiles` draws in it).
+    greedy: [B] bool.
+
+  Returns:
+    ``(key, token)``, [B, V/c] each; `fused_step`'s kernel forms the same pairs. A row's tokens
+    increase with the tile, so `tokens_from_tile_choices`' tie rule "smaller token" is the rule
+    "smaller tile", and one reduction serves both kinds of row: with per-tile draws it gives the
+    token `tokens_from_tile_stats` gives for the same noise.
   """
   choose = greedy[:, None]
   return jnp.where(choose, tile_max, tile_score), jnp.where(choose, tile_argmax, tile_draw)
@@ -256,26 +267,6 @@ def tokens_from_tile_choices(tile_key: jax.Array, tile_token: jax.Array) -> jax.
   (max, first argmax) pairs it is the rows' argmax.
   """
   return _reduce_first_max(tile_key, tile_token, 1)[1]
-
-
-def tokens_from_tile_draws(tile_max: jax.Array, tile_argmax: jax.Array, tile_score: jax.Array,
-                           tile_draw: jax.Array, greedy: jax.Array) -> jax.Array:
-  """`tokens_from_tile_stats` when every tile has already drawn its token (`fused_step` does).
-
-  Args:
-    tile_max, tile_argmax: [B, V/c] per-tile max and first argmax (greedy rows).
-    tile_score: [B, V/c] ``S_t + G_t``: the tile's log-mass plus its Gumbel draw (noise[:, :V/c]).
-    tile_draw: [B, V/c] int32, per tile ``argmax(logits[tile] / T + G')`` with the row's inner noise
-      ``G' = noise[:, V/c:]`` (the same for every tile), as a column of the whole row.
-    greedy: [B] bool.
-
-  Returns:
-    [B] int32 tokens, equal to `tokens_from_tile_stats`' for the same noise. The draws and argmaxes
-    of one row increase with the tile, so the tie rule "smaller token" is the rule "smaller tile",
-    and one reduction over `tile_choices` serves both kinds of row.
-  """
-  return tokens_from_tile_choices(*tile_choices(tile_max, tile_argmax, tile_score, tile_draw,
-                                                greedy))
 
 
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, keys: jax.Array

@@ -206,7 +206,8 @@ def test_tile_draws_give_the_tokens_of_tile_stats(vocab):
   direct = start + jnp.argmax(chosen_tile / temperature[:, None] + noise[:, tiles:], axis=-1)
   for greedy in (jnp.zeros(rows, bool), jnp.ones(rows, bool)):
     want = sampling.tokens_from_tile_stats(x, tile_max, tile_arg, mass, greedy, temperature, noise)
-    got = sampling.tokens_from_tile_draws(tile_max, tile_arg, mass + noise[:, :tiles], draws, greedy)
+    got = sampling.tokens_from_tile_choices(*sampling.tile_choices(
+        tile_max, tile_arg, mass + noise[:, :tiles], draws, greedy))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     expected = jnp.argmax(x, axis=-1) if bool(greedy[0]) else direct
     np.testing.assert_array_equal(np.asarray(want), np.asarray(expected))
