@@ -97,10 +97,14 @@ def _row_first_max(values, indices):
   return _key_value(best), first
 
 
-def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref,
-              key_ref, token_ref, *, row0, step, batch, rows, tile, k_chunk, cache_hints, late_base,
-              draws):
-  """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: corrected logits and their statistics."""
+def _one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
+              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws):
+  """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
+  variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
+
+  `v` is the [rows] int32 tokens whose ``W1`` rows to gather when `w1_ref` is given (rows past the
+  batch read token 0), else the ref of the [B, r] vectors.
+  """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
   row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -110,15 +114,13 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_re
   rank = w2_ref.shape[0]
   # W2 is read by every step of the block; U_k and the corrected logits once: ask L2 to keep W2.
   keep, stream = ("evict_last", "evict_first") if cache_hints else (None, None)
-  if w1_ref is not None:  # v = W1[tokens], gathered here; rows past the batch read token 0
-    tokens = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
 
   def load_v(start, width):  # rows past the batch read as zeros: v is not padded
     mask = jnp.broadcast_to(valid[:, None], (rows, width))
     if w1_ref is None:
-      return plgpu.load(v_ref.at[row_slice, pl.ds(start, width)], mask=mask, other=0.0)
+      return plgpu.load(v.at[row_slice, pl.ds(start, width)], mask=mask, other=0.0)
     lanes = start + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-    token_rows = jnp.broadcast_to(tokens[:, None], (rows, width))
+    token_rows = jnp.broadcast_to(v[:, None], (rows, width))
     return plgpu.load(w1_ref.at[token_rows, lanes], mask=mask, other=0.0).astype(w2_ref.dtype)
 
   load_base = lambda: plgpu.load(base_ref.at[window], mask=in_batch, other=0.0,
@@ -148,7 +150,6 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_re
     score = sampling.tile_log_mass(x, key, temperature) + plgpu.load(
         noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
     if draws:  # the token this tile would give if chosen
-      tiles = key_ref.shape[1]
       inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
                          mask=in_batch, other=0.0)
       sampled = _row_first_max(x / temperature[:, None] + inner, columns)[1]
@@ -157,9 +158,7 @@ def _one_tile(j, v_ref, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_re
     greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
     key = jnp.where(greedy, key, score)
     token = jnp.where(greedy, token, sampled)
-  # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
-  key_ref[row_slice, j] = key
-  token_ref[row_slice, j] = token
+  return key, token
 
 
 def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, reverse, **static):
@@ -176,10 +175,19 @@ def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, revers
   block, group = pl.program_id(0), pl.program_id(1)
   if reverse:  # instances start in program order: the last tiles first
     group = pl.num_programs(1) - 1 - group
-  run = functools.partial(_one_tile, v_ref=v_ref, w1_ref=w1_ref, w2_ref=w2_ref, base_ref=base_ref,
-                          temp_ref=temp_ref, noise_ref=noise_ref, greedy_ref=greedy_ref,
-                          corrected_ref=corrected_ref, key_ref=key_ref, token_ref=token_ref,
-                          row0=block * static["rows"], draws=draws, **static)
+  rows = static["rows"]
+  row_slice = pl.ds(block * rows, rows)
+  v = v_ref
+  if gathers:  # the tokens whose W1 rows the tiles gather; rows past the batch read token 0
+    valid = block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < static["batch"]
+    v = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
+
+  def run(j):
+    key, token = _one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
+                           corrected_ref, row0=block * rows, draws=draws, tiles=tiles, **static)
+    # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
+    key_ref[row_slice, j] = key
+    token_ref[row_slice, j] = token
   if tiles_per_program == 1:
     run(group)
     return

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dspark_jax import fused_block
 from dspark_jax import fused_step
 from dspark_jax import heads as heads_lib
 from dspark_jax import sampling
@@ -126,12 +127,19 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   reduction over the tiles. Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every
   tile has drawn its token in the kernel; else the reduction chooses a sampled row's tile and XLA
   draws inside it.
+
+  ``("persistent", True)`` (vanilla head, at most `fused_block.MAX_ROWS` rows) runs the whole block
+  in one persistent kernel instead (`fused_block.block_tokens`; ``("programs", P)`` sets its grid):
+  the same tokens and logits as the per-step kernels with tile draws, bit for bit. It is opt-in: on
+  an H200 it was not faster overall (BENCHMARKS.md, issue 6, version 18), and it needs its whole
+  grid resident on the GPU at once.
   """
   options = dict(pallas_options)
+  batch, gamma, vocab = base_logits.shape
+  persistent = options.pop("persistent", False)
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
-  draws = options.pop("draws", base_logits.shape[0] < TILE_DRAWS_BELOW_BATCH)
-  batch, gamma, vocab = base_logits.shape
+  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
@@ -143,6 +151,18 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     keys = sampling.row_keys(key, jnp.broadcast_to(seeds, steps.shape).reshape(-1),
                              steps.reshape(-1), sampling.Stream.DRAFT).reshape(steps.shape)
     noise = sampling.tile_noise(keys, vocab // tile, tile)   # [γ, B, V/c + c]
+  if persistent:
+    if kind != "vanilla":
+      raise ValueError(f"pallas_options: persistent needs a vanilla head, got {kind!r}")
+    tokens, corrected = fused_block.block_tokens(
+        prev, head_params["w1"], head_params["w2"], base_logits, temperature, noise,
+        greedy=greedy_rows, greedy_only=greedy_only, interpret=interpret, **options)
+    if conf_params is not None:  # the vanilla head's e_k = W1[x_{k-1}], for all k at once
+      prevs = jnp.concatenate([prev[:, None], tokens[:, :-1]], axis=1)
+      e = jnp.take(head_params["w1"], prevs, axis=0).astype(jnp.float32)
+      confidence = jnp.stack([heads_lib.confidence_step(conf_params, hidden[:, k], e[:, k], k)
+                              for k in range(gamma)], axis=1)
+    return tokens, corrected, None if conf_params is None else confidence
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
     if w1_in_kernel:
@@ -176,9 +196,10 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   with one `fused_step` kernel per step (needs V divisible by 16; on the CPU it runs in Pallas'
   interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
-  ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows), and
+  ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows),
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
-  unless a confidence head needs them in XLA).
+  unless a confidence head needs them in XLA), and ``persistent`` / ``programs`` (default off: the
+  whole block in one `fused_block` kernel).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import law_checks as reference
-from dspark_jax import fused_step, proposal
+from dspark_jax import fused_block, fused_step, proposal
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
@@ -159,6 +159,7 @@ def test_sample_block_rejects_bad_inputs(edit, match):
 XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
               ("cache_hints", False))
 TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
+PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -234,7 +235,8 @@ def test_pallas_form_block_law(kind, temperature, options):
 def test_pallas_form_over_many_tiles_with_edge_rows():
   # V = 2064 = 129 tiles of 16. Rows: all -inf, a NaN in the last tile, an exact tie between the
   # first and the last tile, normal rows; greedy and sampled. The kernel's per-tile draws and their
-  # reduction must give the loop form's tokens and logits bit for bit (CPU).
+  # reduction, per step or in the persistent kernel, must give the loop form's tokens and logits
+  # bit for bit (CPU).
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
   rng = np.random.default_rng(12)
@@ -246,16 +248,18 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
-  outs = [proposal.folded_block(
-      arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"], rows["temperature"],
-      rows["seeds"], rows["positions"], jax.random.key(1), kind="vanilla", greedy_only=g,
-      form=f, pallas_options=o)
-      for g in (False, True) for f, o in (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE))]
-  for a, b in ((outs[0], outs[1]), (outs[0], outs[2]), (outs[3], outs[4]), (outs[3], outs[5])):
-    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    if a[1] is not None:
-      np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
-  tokens = np.asarray(outs[0][0])
+  forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT))
+  for g in (False, True):
+    loop, *others = [proposal.folded_block(
+        arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
+        rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(1), kind="vanilla",
+        greedy_only=g, form=f, pallas_options=o) for f, o in forms]
+    for other in others:
+      np.testing.assert_array_equal(np.asarray(loop[0]), np.asarray(other[0]))
+      if not g:
+        np.testing.assert_array_equal(np.asarray(loop[1]), np.asarray(other[1]))
+    if not g:
+      tokens = np.asarray(loop[0])
   assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
 
 
@@ -292,3 +296,55 @@ def test_kernel_first_max_keys_match_argmax():
   np.testing.assert_array_equal(np.asarray(first), np.argmax(values, axis=1))
   want = np.max(values, axis=1)  # NaN where a NaN is present, as jnp.argmax's winner
   np.testing.assert_array_equal(np.asarray(best), want)  # equal as values: -0 == +0
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_persistent_kernel_equals_the_step_kernels(batch):
+  # The persistent kernel computes every tile as the per-step kernels with tile draws do and
+  # reduces the same (key, token) pairs in the same order, so tokens, corrected logits and
+  # confidence must agree bit for bit, in the interpreter (CPU) and on a GPU alike (there its grid
+  # has several instances and a real grid-wide barrier: V = 192 is three tiles).
+  gamma, vocab, rank, hidden = 4, 192, 16, 6
+  head = helpers.make_head("vanilla", vocab, rank, hidden)
+  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
+  keys = jax.random.split(jax.random.key(13), 2)
+  base = 2.0 * jax.random.normal(keys[0], (batch, gamma, vocab))
+  h = jax.random.normal(keys[1], (batch, gamma, hidden))
+  params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0][:batch] if batch > 1 else [0.7])
+  rows = proposal.block_arrays(params, np.arange(batch) * 11, np.arange(batch) * 7)
+  for greedy_only in (False, True):
+    for conf_arrays in (None, conf.arrays()):
+      steps, whole = [proposal.folded_block(
+          head.arrays(), conf_arrays, base, rows["anchor"], h, rows["greedy"],
+          rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(4), kind="vanilla",
+          greedy_only=greedy_only, form="pallas", pallas_options=o) for o in (TILE_DRAWS, PERSISTENT)]
+      for a, b in zip(steps, whole):
+        assert (a is None) == (b is None)
+        if a is not None:
+          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_persistent_kernel_rejects_what_it_cannot_run():
+  batch, gamma, vocab, rank = 2, 2, 64, 16
+  w1, w2 = jnp.zeros((vocab, rank)), jnp.zeros((rank, vocab))
+  base, temperature = jnp.zeros((batch, gamma, vocab)), jnp.ones((batch,))
+  anchor, greedy = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool)
+  noise = jnp.zeros((gamma, batch, vocab // 64 + 64))
+  run = lambda **edit: fused_block.block_tokens(**dict(
+      anchor=anchor, w1=w1, w2=w2, base_logits=base, temperature=temperature, noise=noise,
+      greedy=greedy, greedy_only=False, interpret=True) | edit)
+  with pytest.raises(ValueError, match="^noise: "):
+    run(noise=None)
+  with pytest.raises(ValueError, match="^greedy: "):
+    run(greedy=None)
+  with pytest.raises(ValueError, match=r"^base_logits: .* at most 64 rows, got 65"):
+    run(anchor=jnp.zeros((65,), jnp.int32), base_logits=jnp.zeros((65, gamma, vocab)))
+  with pytest.raises(ValueError, match="^programs: "):
+    run(programs=-1, interpret=False)
+  head = helpers.make_head("gated", vocab, rank, 3)
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=[1.0, 1.0]), [0, 1], [0, 0])
+  with pytest.raises(ValueError, match="persistent needs a vanilla head"):
+    proposal.folded_block(head.arrays(), None, base, rows["anchor"], jnp.zeros((batch, gamma, 3)),
+                          rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
+                          jax.random.key(0), kind="gated", greedy_only=False, form="pallas",
+                          pallas_options=PERSISTENT)
