@@ -16,16 +16,19 @@ vanilla head (``bias = W1[x_{k-1}] @ W2``):
   first, ties to the smaller token, which is the earlier tile) and gathers ``W1[x_k]``.
 
 So x_k is the token the per-step path chooses, bit for bit, and no step waits for a kernel launch,
-a kernel's tail or an XLA reduction. Instance 0 writes the tokens. Measured on an H200, that did
-not pay: each instance walks its tiles one after another, and two instances per multiprocessor
-keep fewer bytes in flight than the per-step kernels' 5-6 (BENCHMARKS.md, version 18), so the
-kernel is opt-in (``pallas_options=(("persistent", True),)`` in `proposal.folded_block`).
+a kernel's tail or an XLA reduction. Instance 0 writes the tokens. Measured on an H200
+(BENCHMARKS.md, issue 6, version 18), that did not pay enough: greedy-only 8-9 % faster at
+V = 129280 and B = 1, 8 but not at V = 151936, sampling 7-28 % slower. Each instance walks its
+tiles one after another, and only 2-3 instances fit per multiprocessor (the per-step kernels run
+5-6), which probably leaves fewer bytes in flight. So the kernel is opt-in
+(``pallas_options=(("persistent", True),)`` in `proposal.folded_block`).
 
 The counter is a grid-wide barrier, which needs every instance resident at once, or the kernel
-never ends: `programs` defaults to two per multiprocessor (what fits on an H200 at r = 256 in
-bf16; a larger rank, float32 weights or more warps may fit fewer), and nothing else may occupy the
-GPU's multiprocessors while the kernel runs (XLA runs one kernel at a time on its stream; another
-process under MPS with a multiprocessor limit could deadlock it). Visibility follows the usual
+never ends: `programs` defaults to what fitted on an H200 at r = 256 in bf16 (two per
+multiprocessor for sampling, three greedy-only; a larger rank, float32 weights or more warps may fit
+fewer, and a grid that does not fit hangs the GPU until the process is killed), and nothing else
+may occupy the GPU's multiprocessors while the kernel runs (XLA runs one kernel at a time on its
+stream; another process under MPS with a multiprocessor limit could deadlock it). Visibility follows the usual
 grid-sync recipe: a block-wide barrier, then one acquire-release atomic per instance; published
 pairs are read with volatile loads (not from L1). Pallas' interpreter (CPU tests) runs instances
 one after another, so there the grid is one instance (the barrier passes at once).
@@ -51,19 +54,21 @@ _NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every `fused_step._order_key
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 
 
-PROGRAMS_PER_MULTIPROCESSOR = 2
-"""On an H200 (BENCHMARKS.md, issue 6, version 18) one instance per multiprocessor was 1.4x slower
-than two, and three never finished (B = 1, V = 129280): not all 396 instances could be resident,
-and the grid-wide barrier then waits for instances that cannot start."""
+PROGRAMS_PER_MULTIPROCESSOR = {"sampling": 2, "greedy_only": 3}
+"""Instances per multiprocessor, the most that ran on an H200 at r = 256, bf16, 4 warps
+(BENCHMARKS.md, issue 6, version 18): one more never finished (probably not all instances were
+resident; the sampling kernel's draws need more registers). One per multiprocessor was
+1.26-1.40x slower than two."""
 
 
-def default_programs() -> int:
-  """Instances of the persistent grid: `PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor of the
-  default device (1 off GPUs)."""
+def default_programs(greedy_only: bool) -> int:
+  """Instances of the persistent grid: `PROGRAMS_PER_MULTIPROCESSOR` times the default device's
+  multiprocessors (1 off GPUs)."""
   device = jax.devices()[0]
   if device.platform != "gpu":
     return 1
-  return PROGRAMS_PER_MULTIPROCESSOR * int(getattr(device, "core_count", 0) or 1)
+  per = PROGRAMS_PER_MULTIPROCESSOR["greedy_only" if greedy_only else "sampling"]
+  return per * int(getattr(device, "core_count", 0) or 1)
 
 
 def _better(key, token, best_key, best_token):
@@ -166,7 +171,8 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy=None
     greedy: [B] bool or int, nonzero for greedy rows; needed unless `greedy_only`.
     greedy_only: argmax on every row; no corrected logits.
     programs: static instances in the grid (None: `default_programs`; 1 when interpreting). Each
-      walks every `programs`-th vocabulary tile; all must be resident at once on the GPU.
+      walks every `programs`-th vocabulary tile; all must be resident at once on the GPU, or the
+      kernel never ends.
     num_warps, num_stages, k_chunk, serpentine, cache_hints: as in `fused_step.step_stats`.
     interpret: run in Pallas' interpreter (CPU); the grid is then one instance.
 
@@ -185,7 +191,7 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy=None
     raise ValueError("noise: the sampling variant needs every step's tile noise")
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
-  programs = 1 if interpret else (programs or default_programs())
+  programs = 1 if interpret else (programs or default_programs(greedy_only))
   if programs < 1:
     raise ValueError(f"programs: expected >= 1, got {programs}")
   tiles = vocab // tile
