@@ -165,6 +165,7 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--only", help="comma-separated variant names to keep, e.g. 'loop sampling'")
   parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
+  parser.add_argument("--vocabs", help="comma-separated vocabulary sizes (default: the issue's)")
   parser.add_argument("--part-options", default="default,xc",
                       help=f"--parts: comma-separated names from {', '.join(PART_OPTIONS)}")
   parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA graph")
@@ -186,6 +187,8 @@ def main(argv=None):
                 for form in args.forms.split(",") for g in (False, True)]
   if args.batches:
     batches = [int(b) for b in args.batches.split(",")]
+  if args.vocabs:
+    vocabs = [int(v) for v in args.vocabs.split(",")]
   if args.only:
     variants = [v for v in variants if v[0] in args.only.split(",")]
   bw = bandwidth(64 * 2**20 if args.small else 2**30)
