@@ -1,0 +1,156 @@
+"""Experimental: a greedy draft step as a Hopper kernel (Pallas' Mosaic GPU backend), for large batches.
+
+At 64 rows and more, `fused_step`'s Triton kernel runs at 1.8x its own traffic floor on an H200
+(BENCHMARKS.md, issue 6): every instance re-reads the Markov vectors ``v`` and, with two row
+blocks, W2 from L2, and the loads are plain per-thread loads. This kernel is the other design:
+
+* a fixed grid of `programs` instances, each keeping all B rows of ``v`` [B, r] in shared memory
+  for the whole step (loaded once, by the tensor memory accelerator, TMA);
+* each instance walks the vocabulary tiles p, p + P, ... (a tile is `tile` columns), with `stages`
+  TMA copies of the next tiles' W2 block [r, tile] and base logits [B, tile] in flight while it
+  works on the current one;
+* per tile: ``v @ W2`` on the tensor cores (WGMMA, float32 accumulator), ``+ U_k``, rounded to the
+  logits dtype, then each row's max and first argmax, written per tile ([tiles, B], tile-major,
+  each tile's row a contiguous TMA store).
+
+Greedy-only, vanilla-head vectors given (gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128).
+The batch must be a multiple of 64 (the tensor cores' row block) and V of `tile`. The tokens are
+then `sampling.tokens_from_tile_choices` over the transposed statistics, or `tokens` here.
+
+Status: correct in Mosaic GPU's interpreter (CPU tests) and lowers for CUDA; not yet run on a
+GPU. It is not wired into `proposal`; `scripts/hopper_probe.py` times it against the Triton step
+kernel. NaN logits are not ordered first here (a float max); `fused_step` handles them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROW_BLOCK = 64  # rows of one WGMMA instruction
+_NO_TOKEN = np.int32(np.iinfo(np.int32).max)
+
+
+def _interpret_params():
+  # Mosaic GPU's CPU interpreter; its parameters are not exported by every jax version.
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
+def _swizzled(width: int, itemsize: int, interpret: bool):
+  """Shared-memory transforms for a [*, width] tile (none in the interpreter, which needs none)."""
+  if interpret:
+    return ()
+  swizzle = plgpu.find_swizzle(width * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "interpret"))
+def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
+                      interpret=False):
+  """Per vocabulary tile and row: the max and first argmax of step `step`'s corrected logits.
+
+  Args:
+    v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64.
+    w2: [r, V] the head's second matrix. base_logits: [B, γ, V] (slice `step` is read).
+    step: static block position. tile: static vocabulary columns per tile (divides V).
+    programs: static grid size (None: the device's multiprocessor count; 4 when interpreting).
+    stages: static tiles whose TMA copies are in flight at once (shared memory per instance:
+      B·r + stages·(r + B)·tile elements).
+    interpret: run in Mosaic GPU's interpreter (CPU).
+
+  Returns:
+    ``(tile_max [V/tile, B] float32, tile_argmax [V/tile, B] int32)``, the argmax as a column of
+    V, the first of equal maxima.
+  """
+  rows, rank = v.shape
+  batch, _, vocab = base_logits.shape
+  if rows != batch or rows % ROW_BLOCK:
+    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}, got "
+                     f"{v.shape}")
+  if vocab % tile:
+    raise ValueError(f"tile: {tile} does not divide V = {vocab}")
+  if stages < 1:
+    raise ValueError(f"stages: expected >= 1, got {stages}")
+  tiles = vocab // tile
+  if programs is None:
+    programs = 4 if interpret else jax.devices()[0].core_count
+  programs = min(programs, tiles)
+  per_program = -(-tiles // programs)
+  v = v.astype(w2.dtype)
+
+  def kernel(v_gmem, w2_gmem, base_gmem, max_gmem, arg_gmem,
+             v_smem, w2_smem, u_smem, max_smem, arg_smem, v_barrier, in_barriers):
+    program = lax.axis_index("program")
+    # Past its last tile an instance redoes its last one (same values; keeps every loop static).
+    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)
+
+    def fetch(i):
+      slot, cols = lax.rem(i, stages), pl.ds(tile_of(i) * tile, tile)
+      plgpu.copy_gmem_to_smem(w2_gmem.at[:, cols], w2_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, cols], u_smem.at[slot], in_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
+    for i in range(min(stages - 1, per_program)):
+      fetch(i)
+    plgpu.barrier_wait(v_barrier.at[0])
+
+    def visit(i, carry):
+      @pl.when(i + stages - 1 < per_program)
+      def _():
+        fetch(i + stages - 1)
+      slot = lax.rem(i, stages)
+      plgpu.barrier_wait(in_barriers.at[slot])
+
+      def with_accumulator(acc_ref):
+        plgpu.wgmma(acc_ref, v_smem, w2_smem.at[slot])
+        plgpu.wgmma_wait(0)
+        u_ref = u_smem.at[slot]
+        u = u_ref[...] if interpret else plgpu.load(u_ref, (), layout=plgpu.Layout.WGMMA)
+        x = (acc_ref[...] + u.astype(jnp.float32)).astype(base_gmem.dtype).astype(jnp.float32)
+        best = jnp.max(x, axis=1)
+        lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
+                 plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
+        at_best = x == lax.broadcast_in_dim(best, x.shape, (0,))
+        first = jnp.min(jnp.where(at_best, lanes + tile_of(i) * tile, _NO_TOKEN), axis=1)
+        out = lax.rem(i, 2)
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this buffer's stores, 2 tiles ago
+        max_smem.at[out][...] = best
+        arg_smem.at[out][...] = first
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(max_smem.at[out], max_gmem.at[tile_of(i)])
+        plgpu.copy_smem_to_gmem(arg_smem.at[out], arg_gmem.at[tile_of(i)])
+      pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
+      return carry
+
+    lax.fori_loop(0, per_program, visit, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  itemsize = jnp.dtype(w2.dtype).itemsize
+  scratch = [
+      plgpu.SMEM((rows, rank), w2.dtype, transforms=_swizzled(rank, itemsize, interpret)),
+      plgpu.SMEM((stages, rank, tile), w2.dtype, transforms=_swizzled(tile, itemsize, interpret)),
+      plgpu.SMEM((stages, rows, tile), base_logits.dtype,
+                 transforms=_swizzled(tile, jnp.dtype(base_logits.dtype).itemsize, interpret)),
+      plgpu.SMEM((2, rows), jnp.float32), plgpu.SMEM((2, rows), jnp.int32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
+  out_type = [jax.ShapeDtypeStruct((tiles, rows), jnp.float32),
+              jax.ShapeDtypeStruct((tiles, rows), jnp.int32)]
+  run = plgpu.kernel(kernel, out_type=out_type, grid=(programs,), grid_names=("program",),
+                     scratch_types=scratch,
+                     **({"interpret": _interpret_params()} if interpret else {}))
+  return tuple(run(v, w2, base_logits))
+
+
+def tokens(tile_max, tile_argmax):
+  """[B] int32 greedy tokens from `greedy_tile_stats`' [tiles, B] statistics (first maximum)."""
+  best = jnp.max(tile_max, axis=0)
+  return jnp.min(jnp.where(tile_max == best, tile_argmax, _NO_TOKEN), axis=0)

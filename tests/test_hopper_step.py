@@ -1,0 +1,54 @@
+"""The experimental Hopper (Mosaic GPU) greedy step: exact statistics in the interpreter; lowers for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import hopper_step
+
+
+def _inputs(batch, rank, vocab, gamma=2, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  v = jax.random.normal(keys[0], (batch, rank)).astype(jnp.bfloat16)
+  w2 = (0.3 * jax.random.normal(keys[1], (rank, vocab))).astype(jnp.bfloat16)
+  base = jax.random.normal(keys[2], (batch, gamma, vocab)).astype(jnp.bfloat16)
+  return v, w2, base
+
+
+@pytest.mark.parametrize("batch,stages", [(64, 1), (64, 2), (128, 3)])
+def test_tile_stats_are_the_rounded_logits_max_and_first_argmax(batch, stages):
+  # V = 640 = ten 64-column tiles over 4 instances (the last instances redo their last tile).
+  # Rows 0-1 tie exactly across two tiles and within one: the first column must win.
+  rank, vocab = 64, 640
+  v, w2, base = _inputs(batch, rank, vocab)
+  v = v.at[:2].set(0)                        # rows 0-1: corrected = base exactly
+  base = base.at[:2, 1].set(0).at[0, 1, [70, 600]].set(5.0).at[1, 1, [3, 9, 300]].set(2.0)
+  tile_max, tile_argmax = hopper_step.greedy_tile_stats(v, w2, base, step=1, stages=stages,
+                                                        interpret=True)
+  x = (base[:, 1].astype(jnp.float32) + jnp.dot(v, w2, preferred_element_type=jnp.float32))
+  x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)).reshape(batch, vocab // 64, 64)
+  np.testing.assert_array_equal(np.asarray(tile_max).T, x.max(-1))
+  np.testing.assert_array_equal(np.asarray(tile_argmax).T,
+                                x.argmax(-1) + 64 * np.arange(vocab // 64))
+  tokens = np.asarray(hopper_step.tokens(tile_max, tile_argmax))
+  np.testing.assert_array_equal(tokens, x.reshape(batch, vocab).argmax(-1))
+  assert tokens[0] == 70 and tokens[1] == 3
+
+
+def test_rejects_shapes_it_cannot_run():
+  v, w2, base = _inputs(64, 64, 640)
+  with pytest.raises(ValueError, match="^v: "):
+    hopper_step.greedy_tile_stats(v[:32], w2, base[:32], step=0, interpret=True)
+  with pytest.raises(ValueError, match="^tile: "):
+    hopper_step.greedy_tile_stats(v, w2, base, step=0, tile=96, interpret=True)
+
+
+def test_lowers_for_cuda_at_the_benchmark_shape():
+  # B = 128, r = 256, V = 129280, bf16: the kernel must trace and lower for a GPU (no GPU needed).
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  lowered = jax.jit(hopper_step.greedy_tile_stats, static_argnames=("step", "programs")).trace(
+      spec((128, 256), jnp.bfloat16), spec((256, 129280), jnp.bfloat16),
+      spec((128, 7, 129280), jnp.bfloat16), step=3, programs=132).lower(
+          lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
