@@ -361,6 +361,17 @@ def table_lines(results: list[dict]) -> list[str]:
   return lines
 
 
+def ratio_table(rows: list[dict], names: list[str]) -> list[str]:
+  """Markdown lines: per row (keys V, B, floor and each name, in seconds) µs and × the floor."""
+  lines = ["| V | B | floor µs | " + " | ".join(f"{n} µs (×floor)" for n in names) + " |",
+           "|---:|---:|---:|" + "---:|" * len(names)]
+  for row in rows:
+    cells = " | ".join(f"{row[n] * 1e6:.1f} ({row[n] / row['floor']:.2f})" if n in row else "n/a"
+                       for n in names)
+    lines.append(f"| {row['V']} | {row['B']} | {row['floor'] * 1e6:.1f} | {cells} |")
+  return lines
+
+
 def write_json(path: str, meta: dict, results: list[dict]) -> None:
   with open(path, "w", encoding="utf-8") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2, ensure_ascii=False)

@@ -253,12 +253,7 @@ def main(argv=None):
   names = [m for n, *_ in variants for m in ([n, f"{n} in-program"] if args.in_program else [n])]
   names += (["torch graph"] if any("torch graph" in r for r in rows)
                                        else [])
-  print("\n| V | B | floor µs | " + " | ".join(f"{n} µs (×floor)" for n in names) + " |")
-  print("|---:|---:|---:|" + "---:|" * len(names))
-  for row in rows:
-    cells = " | ".join(f"{row[n] * 1e6:.1f} ({row[n] / row['floor']:.2f})" if n in row else "n/a"
-                       for n in names)
-    print(f"| {row['V']} | {row['B']} | {row['floor'] * 1e6:.1f} | {cells} |")
+  print("\n" + "\n".join(bench_sampler.ratio_table(rows, names)))
 
 
 if __name__ == "__main__":

@@ -112,12 +112,7 @@ def main(argv=None):
              for k, v in row.items()}, flush=True)
       table.append(row)
   names = ["auto", "triton"] + [f"hopper t{t} s{s}" for t, s in configs]
-  print("\n| V | B | floor µs | " + " | ".join(f"{n} µs (×)" for n in names) + " |")
-  print("|---:|---:|---:|" + "---:|" * len(names))
-  for row in table:
-    cells = " | ".join(f"{row[n] * 1e6:.1f} ({row[n] / row['floor']:.2f})" if n in row else "err"
-                       for n in names)
-    print(f"| {row['V']} | {row['B']} | {row['floor'] * 1e6:.1f} | {cells} |")
+  print("\n" + "\n".join(bench_sampler.ratio_table(table, names)))
 
 
 if __name__ == "__main__":
