@@ -17,9 +17,12 @@ Greedy-only, vanilla-head vectors given (gather ``W1[x]`` in XLA: [B, r] is 64 K
 The batch must be a multiple of 64 (the tensor cores' row block) and V of `tile`. The tokens are
 then `sampling.tokens_from_tile_choices` over the transposed statistics, or `tokens` here.
 
-Status: correct in Mosaic GPU's interpreter (CPU tests) and lowers for CUDA; not yet run on a
-GPU. It is not wired into `proposal`; `scripts/hopper_probe.py` times it against the Triton step
-kernel. NaN logits are not ordered first here (a float max); `fused_step` handles them.
+Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so the tokens are the argmax the
+other forms give, up to the order in which ``v @ W2`` is summed.
+
+Status: exact in Mosaic GPU's interpreter (CPU tests) and lowers for CUDA; not yet run on a GPU.
+Opt-in through ``pallas_options=(("hopper", True),)`` in `proposal.folded_block` (greedy-only);
+`scripts/hopper_probe.py` times it against the Triton step kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dspark_jax import fused_step
+from dspark_jax import sampling
 
 ROW_BLOCK = 64  # rows of one WGMMA instruction
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
@@ -114,11 +120,13 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
         u_ref = u_smem.at[slot]
         u = u_ref[...] if interpret else plgpu.load(u_ref, (), layout=plgpu.Layout.WGMMA)
         x = (acc_ref[...] + u.astype(jnp.float32)).astype(base_gmem.dtype).astype(jnp.float32)
-        best = jnp.max(x, axis=1)
+        keys = fused_step._order_keys(x)  # NaN first, -0 = +0, as in `fused_step`
+        best = jnp.max(keys, axis=1)
         lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
                  plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
-        at_best = x == lax.broadcast_in_dim(best, x.shape, (0,))
+        at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
         first = jnp.min(jnp.where(at_best, lanes + tile_of(i) * tile, _NO_TOKEN), axis=1)
+        best = fused_step._key_value(best)
         out = lax.rem(i, 2)
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this buffer's stores, 2 tiles ago
         max_smem.at[out][...] = best
@@ -151,6 +159,6 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
 
 
 def tokens(tile_max, tile_argmax):
-  """[B] int32 greedy tokens from `greedy_tile_stats`' [tiles, B] statistics (first maximum)."""
-  best = jnp.max(tile_max, axis=0)
-  return jnp.min(jnp.where(tile_max == best, tile_argmax, _NO_TOKEN), axis=0)
+  """[B] int32 greedy tokens from `greedy_tile_stats`' [tiles, B] statistics: the first maximum,
+  NaN first (`sampling.tokens_from_tile_choices` over the tiles)."""
+  return sampling.tokens_from_tile_choices(tile_max.T, tile_argmax.T)

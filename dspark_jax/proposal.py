@@ -37,6 +37,7 @@ from flax import struct
 from dspark_jax import fused_block
 from dspark_jax import fused_step
 from dspark_jax import heads as heads_lib
+from dspark_jax import hopper_step
 from dspark_jax import sampling
 from dspark_jax import sampling_params as sp
 
@@ -133,10 +134,17 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   the same tokens and logits as the per-step kernels with tile draws, bit for bit. It is opt-in: on
   an H200 it was not faster overall (BENCHMARKS.md, issue 6, version 18), and it needs its whole
   grid resident on the GPU at once.
+
+  ``("hopper", True)`` (greedy-only, B a multiple of 64, any head) computes v in XLA and runs each
+  step as `hopper_step.greedy_tile_stats` (a Mosaic GPU kernel for Hopper GPUs; ``("tile", c)``,
+  ``("stages", s)``, ``("programs", P)`` set it up). Experimental: not yet timed on a GPU.
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
   persistent = options.pop("persistent", False)
+  hopper = options.pop("hopper", False)
+  if hopper and not greedy_only:
+    raise ValueError("pallas_options: hopper is a greedy-only kernel (hopper_step)")
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
@@ -165,6 +173,14 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     return tokens, corrected, None if conf_params is None else confidence
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
+    if hopper:  # v in XLA (any head), then the Mosaic GPU kernel and one reduction
+      v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+      prev = hopper_step.tokens(*hopper_step.greedy_tile_stats(
+          v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
+      tokens.append(prev)
+      if conf_params is not None:
+        confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
+      continue
     if w1_in_kernel:
       head_input, w1, e = prev, head_params["w1"], None
     else:
@@ -198,8 +214,9 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
   ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows),
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
-  unless a confidence head needs them in XLA), and ``persistent`` / ``programs`` (default off: the
-  whole block in one `fused_block` kernel).
+  unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
+  whole block in one `fused_block` kernel), and ``hopper`` (default off; greedy-only: each step a
+  `hopper_step` kernel).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

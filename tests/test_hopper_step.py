@@ -1,11 +1,13 @@
-"""The experimental Hopper (Mosaic GPU) greedy step: exact statistics in the interpreter; lowers for CUDA."""
+"""The experimental Hopper (Mosaic GPU) greedy step: exact in the interpreter, lowers for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import hopper_step
+import dspark_jax as dj
+from dspark_jax import hopper_step, proposal
+from tests import helpers
 
 
 def _inputs(batch, rank, vocab, gamma=2, seed=0):
@@ -52,3 +54,48 @@ def test_lowers_for_cuda_at_the_benchmark_shape():
       spec((128, 7, 129280), jnp.bfloat16), step=3, programs=132).lower(
           lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_hopper_form_equals_the_loop(kind):
+  # Greedy-only blocks through `proposal.folded_block(pallas_options=hopper)`, B = 64, V = 640:
+  # tokens and confidence equal the loop form's bit for bit in the interpreter (on a GPU the two
+  # sum v @ W2 in different orders: the edge rows must agree, the rest nearly all), with rows of
+  # NaN, -inf and an exact tie across tiles (the kernel's integer keys).
+  batch, gamma, vocab, rank, hidden = 64, 2, 640, 64, 6
+  head = helpers.make_head(kind, vocab, rank, hidden)
+  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
+  rng = np.random.default_rng(4)
+  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
+  base[0] = -np.inf
+  base[1, :, [100, 500]] = np.nan
+  base[2:4] = 0.0
+  base[2:4, :, [70, 630]] = 60.0          # an exact tie between the second and the last tile ...
+  w2 = 0.1 * head.arrays()["w2"]
+  arrays = dict(head.arrays(), w2=w2.at[:, 630].set(w2[:, 70]))  # ... with the same bias
+  h = jnp.asarray(rng.normal(0, 1, (batch, gamma, hidden)), jnp.float32)
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=np.zeros(batch)), np.arange(batch),
+                               np.arange(batch) * 3)
+  outs = [proposal.folded_block(
+      arrays, conf.arrays(), jnp.asarray(base).astype(jnp.bfloat16), rows["anchor"], h,
+      rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(0),
+      kind=kind, greedy_only=True, form=form, pallas_options=options)
+      for form, options in (("loop", ()), ("pallas", (("hopper", True),)))]
+  loop_tokens, tokens = np.asarray(outs[0][0]), np.asarray(outs[1][0])
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(loop_tokens, tokens)
+    np.testing.assert_array_equal(np.asarray(outs[0][2]), np.asarray(outs[1][2]))
+  else:
+    assert np.mean(loop_tokens == tokens) >= 0.9
+  assert np.all(tokens[0] == 0) and np.all(tokens[1] == 100) and np.all(tokens[2:4] == 70)
+
+
+def test_hopper_form_is_greedy_only():
+  head = helpers.make_head("vanilla", 640, 64, 3)
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=np.ones(64)), np.arange(64),
+                               np.zeros(64))
+  with pytest.raises(ValueError, match="hopper is a greedy-only kernel"):
+    proposal.folded_block(head.arrays(), None, jnp.zeros((64, 2, 640)), rows["anchor"], None,
+                          rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
+                          jax.random.key(0), kind="vanilla", greedy_only=False, form="pallas",
+                          pallas_options=(("hopper", True),))
