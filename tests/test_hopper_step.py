@@ -9,6 +9,8 @@ import dspark_jax as dj
 from dspark_jax import hopper_step, proposal
 from tests import helpers
 
+CPU = jax.default_backend() == "cpu"  # there the kernel runs in Mosaic GPU's interpreter
+
 
 def _inputs(batch, rank, vocab, gamma=2, seed=0):
   keys = jax.random.split(jax.random.key(seed), 3)
@@ -21,29 +23,34 @@ def _inputs(batch, rank, vocab, gamma=2, seed=0):
 @pytest.mark.parametrize("batch,stages", [(64, 1), (64, 2), (128, 3)])
 def test_tile_stats_are_the_rounded_logits_max_and_first_argmax(batch, stages):
   # V = 640 = ten 64-column tiles over 4 instances (the last instances redo their last tile).
-  # Rows 0-1 tie exactly across two tiles and within one: the first column must win.
+  # Rows 0-1 tie exactly across two tiles and within one: the first column must win. Exact in the
+  # interpreter (CPU); on a GPU, to the tensor cores' summation order.
   rank, vocab = 64, 640
   v, w2, base = _inputs(batch, rank, vocab)
   v = v.at[:2].set(0)                        # rows 0-1: corrected = base exactly
   base = base.at[:2, 1].set(0).at[0, 1, [70, 600]].set(5.0).at[1, 1, [3, 9, 300]].set(2.0)
   tile_max, tile_argmax = hopper_step.greedy_tile_stats(v, w2, base, step=1, stages=stages,
-                                                        interpret=True)
+                                                        interpret=CPU)
   x = (base[:, 1].astype(jnp.float32) + jnp.dot(v, w2, preferred_element_type=jnp.float32))
   x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)).reshape(batch, vocab // 64, 64)
+  tokens = np.asarray(hopper_step.tokens(tile_max, tile_argmax))
+  assert tokens[0] == 70 and tokens[1] == 3
+  if not CPU:  # the tensor cores sum v @ W2 in another order: one bf16 ulp, rare near-tie flips
+    np.testing.assert_allclose(np.asarray(tile_max).T, x.max(-1), rtol=2**-7)
+    assert np.mean(tokens == x.reshape(batch, vocab).argmax(-1)) >= 0.9
+    return
   np.testing.assert_array_equal(np.asarray(tile_max).T, x.max(-1))
   np.testing.assert_array_equal(np.asarray(tile_argmax).T,
                                 x.argmax(-1) + 64 * np.arange(vocab // 64))
-  tokens = np.asarray(hopper_step.tokens(tile_max, tile_argmax))
   np.testing.assert_array_equal(tokens, x.reshape(batch, vocab).argmax(-1))
-  assert tokens[0] == 70 and tokens[1] == 3
 
 
 def test_rejects_shapes_it_cannot_run():
   v, w2, base = _inputs(64, 64, 640)
   with pytest.raises(ValueError, match="^v: "):
-    hopper_step.greedy_tile_stats(v[:32], w2, base[:32], step=0, interpret=True)
+    hopper_step.greedy_tile_stats(v[:32], w2, base[:32], step=0, interpret=CPU)
   with pytest.raises(ValueError, match="^tile: "):
-    hopper_step.greedy_tile_stats(v, w2, base, step=0, tile=96, interpret=True)
+    hopper_step.greedy_tile_stats(v, w2, base, step=0, tile=96, interpret=CPU)
 
 
 def test_lowers_for_cuda_at_the_benchmark_shape():
