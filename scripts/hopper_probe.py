@@ -10,7 +10,7 @@ For each (V, B) it times, back to back (`bench_sampler.pipelined_seconds`), the 
 and checks each hopper program's tokens against the triton program's (they may differ at
 near-ties: the two sum ``v @ W2`` in different orders). Needs a Hopper GPU.
 
-  PYTHONPATH=. python3 scripts/hopper_probe.py [--batches 64,128] [--configs 64:2,64:3,128:2]
+  PYTHONPATH=. python3 scripts/hopper_probe.py [--batches 64,128] [--configs 64:2,64:3,64:2:264]
   PYTHONPATH=. python3 scripts/hopper_probe.py --small    # CPU smoke check, interpreted
 
 The floor is the issue's (SPEC §9, with the corrected-logits write greedy-only does not do).
@@ -54,11 +54,15 @@ def triton_step(v, w2, base, k):
   return sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)
 
 
-def hopper_step_fn(tile, stages):
+def hopper_step_fn(tile, stages, programs=None):
   def step(v, w2, base, k):
     return hopper_step.tokens(*hopper_step.greedy_tile_stats(
-        v, w2, base, step=k, tile=tile, stages=stages, interpret=INTERPRET))
+        v, w2, base, step=k, tile=tile, stages=stages, programs=programs, interpret=INTERPRET))
   return step
+
+
+def config_name(config):
+  return "hopper " + " ".join(f"{letter}{value}" for letter, value in zip("tsp", config))
 
 
 def main(argv=None):
@@ -66,7 +70,8 @@ def main(argv=None):
   parser.add_argument("--batches", default="64,128")
   parser.add_argument("--vocabs", default="129280,151936")
   parser.add_argument("--configs", default="64:2,64:3,128:2",
-                      help="comma-separated tile:stages pairs for the hopper kernel")
+                      help="comma-separated tile:stages[:programs] for the hopper kernel "
+                           "(programs default: one per multiprocessor)")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--small", action="store_true", help="CPU smoke check (interpreted kernels)")
   args = parser.parse_args(argv)
@@ -87,8 +92,8 @@ def main(argv=None):
       row = {"V": vocab, "B": batch, "floor": floor}
       args_ = jax.device_put((w1, w2, base, anchor))
       programs = {"triton": block_program(triton_step, gamma)}
-      programs.update({f"hopper t{t} s{s}": block_program(hopper_step_fn(t, s), gamma)
-                       for t, s in configs})
+      programs.update({config_name(c): block_program(hopper_step_fn(*c), gamma)
+                       for c in configs})
       reference = None
       for name, program in programs.items():
         try:
@@ -111,7 +116,7 @@ def main(argv=None):
       print({k: (f"{v * 1e6:.1f}us" if isinstance(v, float) and "equal" not in k else v)
              for k, v in row.items()}, flush=True)
       table.append(row)
-  names = ["auto", "triton"] + [f"hopper t{t} s{s}" for t, s in configs]
+  names = ["auto", "triton"] + [config_name(c) for c in configs]
   print("\n" + "\n".join(bench_sampler.ratio_table(table, names)))
 
 
