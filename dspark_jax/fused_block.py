@@ -8,7 +8,7 @@ vanilla head (``bias = W1[x_{k-1}] @ W2``):
 
 * step k: instance p walks the vocabulary tiles p, p + P, p + 2P, ... (odd steps backwards, so
   they start on the W2 tiles still in L2), computes each tile exactly as `fused_step` does
-  (`fused_step._one_tile`: corrected logits written, one (key, token) pair per row and tile, the
+  (`fused_step.one_tile`: corrected logits written, one (key, token) pair per row and tile, the
   sampled rows' tokens drawn in every tile) and keeps each row's best pair over its tiles;
 * it publishes that pair in slot ``[k, row, p]`` and arrives at a grid-wide counter;
 * before step k + 1 every instance waits for all P arrivals, reduces the P published pairs of each
@@ -50,7 +50,7 @@ from dspark_jax import fused_step
 from dspark_jax import sampling
 
 MAX_ROWS = 64
-_NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every `fused_step._order_keys` value
+_NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every `fused_step.order_keys` value
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 
 
@@ -135,10 +135,10 @@ def _kernel(anchor_ref, w1_ref, w2_ref, base_ref, temp_ref, *refs, gamma, progra
       j = program + (per_program - 1 - i if backwards else i) * programs
 
       def tile(best):
-        key, token = fused_step._one_tile(
+        key, token = fused_step.one_tile(
             j, prev, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref,
             row0=0, step=step, draws=not greedy_only, late_base=False, **static)
-        key = fused_step._order_keys(key)
+        key = fused_step.order_keys(key)
         wins = _better(key, token, *best)
         return jnp.where(wins, key, best[0]), jnp.where(wins, token, best[1])
       return jax.lax.cond(j < tiles, tile, lambda best: best, best)

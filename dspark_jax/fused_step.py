@@ -29,7 +29,7 @@ before left in L2, and loads carry cache hints that keep W2 and stream the rest.
 (BENCHMARKS.md, issue 6) whole programs run at 1.3-1.6x that floor for greedy-only and 1.5-2.4x
 for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
 8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
-order like the floats (`_order_keys`): Triton's float max drops NaN, and the keys need two
+order like the floats (`order_keys`): Triton's float max drops NaN, and the keys need two
 reductions where explicit NaN handling needs four.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
@@ -68,7 +68,7 @@ _BIG_INDEX = np.iinfo(np.int32).max
 _SIGN_FREE = np.int32(0x7FFFFFFF)  # every bit but the sign
 
 
-def _order_keys(values):
+def order_keys(values):
   """float32 -> int32 keys with the floats' order (-0 = +0), every NaN above +inf.
 
   A float's bits read as a signed integer are ordered for positives and reversed for negatives;
@@ -80,8 +80,8 @@ def _order_keys(values):
   return jnp.where(jnp.isnan(values), _SIGN_FREE, keys)
 
 
-def _key_value(keys):
-  """The float32 of `_order_keys` (NaN for the NaN key)."""
+def key_value(keys):
+  """The float32 of `order_keys` (NaN for the NaN key)."""
   bits = keys ^ ((keys >> 31) & _SIGN_FREE)
   return jnp.where(keys == _SIGN_FREE, jnp.nan, jax.lax.bitcast_convert_type(bits, jnp.float32))
 
@@ -91,16 +91,17 @@ def _row_first_max(values, indices):
 
   `sampling.argmax_last`'s semantics, in operations the Triton lowering has.
   """
-  keys = _order_keys(values)
+  keys = order_keys(values)
   best = jnp.max(keys, axis=1)
   first = jnp.min(jnp.where(keys == best[:, None], indices, jnp.int32(_BIG_INDEX)), axis=1)
-  return _key_value(best), first
+  return key_value(best), first
 
 
-def _one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
-              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws):
+def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
+             row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
+  The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
 
   `v` is the [rows] int32 tokens whose ``W1`` rows to gather when `w1_ref` is given (rows past the
   batch read token 0), else the ref of the [B, r] vectors.
@@ -183,8 +184,8 @@ def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, revers
     v = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
 
   def run(j):
-    key, token = _one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
-                           corrected_ref, row0=block * rows, draws=draws, tiles=tiles, **static)
+    key, token = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
+                          corrected_ref, row0=block * rows, draws=draws, tiles=tiles, **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token

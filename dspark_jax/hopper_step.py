@@ -120,13 +120,13 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
         u_ref = u_smem.at[slot]
         u = u_ref[...] if interpret else plgpu.load(u_ref, (), layout=plgpu.Layout.WGMMA)
         x = (acc_ref[...] + u.astype(jnp.float32)).astype(base_gmem.dtype).astype(jnp.float32)
-        keys = fused_step._order_keys(x)  # NaN first, -0 = +0, as in `fused_step`
+        keys = fused_step.order_keys(x)  # NaN first, -0 = +0, as in `fused_step`
         best = jnp.max(keys, axis=1)
         lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
                  plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
         at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
         first = jnp.min(jnp.where(at_best, lanes + tile_of(i) * tile, _NO_TOKEN), axis=1)
-        best = fused_step._key_value(best)
+        best = fused_step.key_value(best)
         out = lax.rem(i, 2)
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this buffer's stores, 2 tiles ago
         max_smem.at[out][...] = best
