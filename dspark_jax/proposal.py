@@ -167,7 +167,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
         greedy=greedy_rows, greedy_only=greedy_only, interpret=interpret, **options)
     if conf_params is not None:  # the vanilla head's e_k = W1[x_{k-1}], for all k at once
       prevs = jnp.concatenate([prev[:, None], tokens[:, :-1]], axis=1)
-      e = jnp.take(head_params["w1"], prevs, axis=0).astype(jnp.float32)
+      e = heads_lib.markov_vector(kind, head_params, prevs, None, None)[1]
       confidence = jnp.stack([heads_lib.confidence_step(conf_params, hidden[:, k], e[:, k], k)
                               for k in range(gamma)], axis=1)
     return tokens, corrected, None if conf_params is None else confidence
