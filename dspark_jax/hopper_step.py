@@ -1,29 +1,31 @@
-"""Experimental: a greedy draft step as a Hopper kernel (Pallas' Mosaic GPU backend), for large batches.
+"""A greedy draft step as a Hopper kernel (Pallas' Mosaic GPU backend), for large batches.
 
-At 64 rows and more, `fused_step`'s Triton kernel runs at 1.8x its own traffic floor on an H200
-(BENCHMARKS.md, issue 6): every instance re-reads the Markov vectors ``v`` and, with two row
-blocks, W2 from L2, and the loads are plain per-thread loads. This kernel is the other design:
+From 64 rows `fused_step`'s Triton kernel keeps L2 busy while DRAM runs at half its peak on an
+H200 (BENCHMARKS.md, issue 6): every instance re-reads the Markov vectors ``v`` and, with two row
+blocks, W2 from L2, and its loads are plain per-thread loads. This kernel is the other design:
 
-* a fixed grid of `programs` instances, each keeping all B rows of ``v`` [B, r] in shared memory
-  for the whole step (loaded once, by the tensor memory accelerator, TMA);
+* a fixed grid of `programs` instances (one per multiprocessor), each keeping all B rows of ``v``
+  [B, r] in shared memory for the whole step (loaded once, by the tensor memory accelerator, TMA);
 * each instance walks the vocabulary tiles p, p + P, ... (a tile is `tile` columns), with `stages`
   TMA copies of the next tiles' W2 block [r, tile] and base logits [B, tile] in flight while it
   works on the current one;
 * per tile: ``v @ W2`` on the tensor cores (WGMMA, float32 accumulator), ``+ U_k``, rounded to the
-  logits dtype, then each row's max and first argmax, written per tile ([tiles, B], tile-major,
-  each tile's row a contiguous TMA store).
+  logits dtype, then each row's max and first argmax, kept as a running best over the instance's
+  tiles: one pair per instance and row leaves the kernel ([P, B]), and XLA reduces the P pairs.
 
-Greedy-only, vanilla-head vectors given (gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128).
-The batch must be a multiple of 64 (the tensor cores' row block) and V of `tile`. The tokens are
-then `sampling.tokens_from_tile_choices` over the transposed statistics, or `tokens` here.
+Greedy-only, vectors given (gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128). The batch must be
+a multiple of 64 (the tensor cores' row block) and V of `tile`. Maxima use `fused_step`'s integer
+keys (NaN first, -0 = +0), so the tokens are the argmax the other forms give, up to the order in
+which ``v @ W2`` is summed (in the benchmark runs they equalled the Triton kernel's everywhere).
 
-Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so the tokens are the argmax the
-other forms give, up to the order in which ``v @ W2`` is summed.
-
-Status: exact in Mosaic GPU's interpreter (CPU tests) and lowers for CUDA; not yet run on a GPU.
-Opt-in through ``pallas_options=(("hopper", True),)`` in `proposal.folded_block` (greedy-only);
-`scripts/hopper_probe.py` times it against the Triton step kernel.
+On an H200 the greedy-only block at B = 128 took 300 µs instead of the Triton kernel's 336 µs
+(V = 129280) and 311 instead of 366 µs (V = 151936); at B = 64 it was no faster (BENCHMARKS.md,
+issue 6, version 19). So `proposal.folded_block` takes it by default for greedy-only blocks from
+`proposal.HOPPER_FROM_BATCH` rows on a Hopper GPU (`proposal.hopper_by_default`);
+``pallas_options=(("hopper", False),)`` keeps the Triton kernel, ``(("hopper", True),)`` forces it.
+Tests run it in Mosaic GPU's CPU interpreter, where it is exact. `scripts/hopper_probe.py` times it.
 """
+
 
 from __future__ import annotations
 
@@ -58,9 +60,16 @@ def _swizzled(width: int, itemsize: int, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "interpret"))
-def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
-                      interpret=False):
-  """Per vocabulary tile and row: the max and first argmax of step `step`'s corrected logits.
+def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
+                    interpret=False):
+  """Per instance and row: the max and first argmax of step `step`'s corrected logits over the
+  instance's vocabulary tiles.
+
+  Instance p of the `programs` visits tiles p, p + P, ... (`tile` columns each) in increasing
+  order and keeps, per row, the best (integer key, column) pair it has seen: a later tile replaces
+  it only with a strictly larger key, so the column is the first of equal maxima. One pair per
+  instance and row leaves the kernel, [P, B], which XLA reduces in ~2 µs (per-tile pairs, [V/64, B],
+  took 15 µs to reduce on an H200).
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64.
@@ -72,8 +81,8 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
     interpret: run in Mosaic GPU's interpreter (CPU).
 
   Returns:
-    ``(tile_max [V/tile, B] float32, tile_argmax [V/tile, B] int32)``, the argmax as a column of
-    V, the first of equal maxima.
+    ``(program_max [P, B] float32, program_argmax [P, B] int32)``, the argmax as a column of V,
+    with P = min(programs, V / tile).
   """
   rows, rank = v.shape
   batch, _, vocab = base_logits.shape
@@ -94,7 +103,8 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
   def kernel(v_gmem, w2_gmem, base_gmem, max_gmem, arg_gmem,
              v_smem, w2_smem, u_smem, max_smem, arg_smem, v_barrier, in_barriers):
     program = lax.axis_index("program")
-    # Past its last tile an instance redoes its last one (same values; keeps every loop static).
+    # Past the last tile an instance visits the last tile again (a pair another instance also
+    # holds; it keeps every loop static).
     tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)
 
     def fetch(i):
@@ -102,15 +112,11 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
       plgpu.copy_gmem_to_smem(w2_gmem.at[:, cols], w2_smem.at[slot], in_barriers.at[slot])
       plgpu.copy_gmem_to_smem(base_gmem.at[:, step, cols], u_smem.at[slot], in_barriers.at[slot])
 
-    plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
-    for i in range(min(stages - 1, per_program)):
-      fetch(i)
-    plgpu.barrier_wait(v_barrier.at[0])
-
-    def visit(i, carry):
+    def tile_best(i):
+      """Tile i's (key, first column) per row, once its copies have landed."""
       @pl.when(i + stages - 1 < per_program)
       def _():
-        fetch(i + stages - 1)
+        fetch(i + stages - 1)  # into the slot tile i - 1 used, which is done with it
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(in_barriers.at[slot])
 
@@ -126,18 +132,25 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
                  plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
         at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
         first = jnp.min(jnp.where(at_best, lanes + tile_of(i) * tile, _NO_TOKEN), axis=1)
-        best = fused_step.key_value(best)
-        out = lax.rem(i, 2)
-        plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this buffer's stores, 2 tiles ago
-        max_smem.at[out][...] = best
-        arg_smem.at[out][...] = first
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(max_smem.at[out], max_gmem.at[tile_of(i)])
-        plgpu.copy_smem_to_gmem(arg_smem.at[out], arg_gmem.at[tile_of(i)])
-      pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
-      return carry
+        return best, first
+      return pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
 
-    lax.fori_loop(0, per_program, visit, 0)
+    def visit(i, carry):
+      best, first = carry
+      tile_key, tile_first = tile_best(i)
+      later_wins = tile_key > best  # tiles come in column order: ties keep the earlier column
+      return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_first, first)
+
+    plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
+    for i in range(min(stages - 1, per_program)):
+      fetch(i)
+    plgpu.barrier_wait(v_barrier.at[0])
+    best, first = lax.fori_loop(1, per_program, visit, tile_best(0))
+    max_smem[...] = fused_step.key_value(best)
+    arg_smem[...] = first
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(max_smem, max_gmem.at[program])
+    plgpu.copy_smem_to_gmem(arg_smem, arg_gmem.at[program])
     plgpu.wait_smem_to_gmem(0)
 
   itemsize = jnp.dtype(w2.dtype).itemsize
@@ -146,19 +159,19 @@ def greedy_tile_stats(v, w2, base_logits, *, step, tile=64, programs=None, stage
       plgpu.SMEM((stages, rank, tile), w2.dtype, transforms=_swizzled(tile, itemsize, interpret)),
       plgpu.SMEM((stages, rows, tile), base_logits.dtype,
                  transforms=_swizzled(tile, jnp.dtype(base_logits.dtype).itemsize, interpret)),
-      plgpu.SMEM((2, rows), jnp.float32), plgpu.SMEM((2, rows), jnp.int32),
+      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
       plgpu.Barrier(num_arrivals=1, num_barriers=1),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   ]
-  out_type = [jax.ShapeDtypeStruct((tiles, rows), jnp.float32),
-              jax.ShapeDtypeStruct((tiles, rows), jnp.int32)]
+  out_type = [jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+              jax.ShapeDtypeStruct((programs, rows), jnp.int32)]
   run = plgpu.kernel(kernel, out_type=out_type, grid=(programs,), grid_names=("program",),
                      scratch_types=scratch,
                      **({"interpret": _interpret_params()} if interpret else {}))
   return tuple(run(v, w2, base_logits))
 
 
-def tokens(tile_max, tile_argmax):
-  """[B] int32 greedy tokens from `greedy_tile_stats`' [tiles, B] statistics: the first maximum,
-  NaN first (`sampling.tokens_from_tile_choices` over the tiles)."""
-  return sampling.tokens_from_tile_choices(tile_max.T, tile_argmax.T)
+def tokens(program_max, program_argmax):
+  """[B] int32 greedy tokens from `greedy_partials`' [P, B] pairs: the first maximum, NaN first
+  (`sampling.tokens_from_tile_choices` over the instances)."""
+  return sampling.tokens_from_tile_choices(program_max.T, program_argmax.T)

@@ -49,6 +49,25 @@ TILE_DRAWS_BELOW_BATCH = 64
 """Batches below this draw every tile's token in the kernel (``draws``); larger ones draw in XLA from
 the chosen tile: the per-tile draws cost the kernel more than the XLA draw costs at 64 rows and up
 (H200, BENCHMARKS.md, issue 6)."""
+HOPPER_FROM_BATCH = 128
+"""Greedy-only blocks of this many rows and more (in multiples of 64) run `hopper_step` by default
+on a Hopper GPU: 9-16 % faster than the Triton step kernel at 128 rows on an H200, 1-10 % slower
+at 64 (BENCHMARKS.md, issue 6, version 19)."""
+
+
+def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
+                      device: jax.Device | None = None) -> bool:
+  """Whether a greedy-only Pallas block takes `hopper_step` when `pallas_options` does not say.
+
+  Yes on a GPU of compute capability 9 (Hopper: the kernel uses TMA and WGMMA), from
+  `HOPPER_FROM_BATCH` rows in multiples of 64, with V a multiple of 64 and bfloat16 W2 and base
+  logits (the measured case; a float32 W2 would run on the tensor cores at TF32 precision).
+  """
+  device = device or jax.devices()[0]
+  hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+  return (hopper and batch >= HOPPER_FROM_BATCH and batch % hopper_step.ROW_BLOCK == 0
+          and vocab % 64 == 0 and jnp.dtype(w2_dtype) == jnp.bfloat16
+          and jnp.dtype(logits_dtype) == jnp.bfloat16)
 
 
 def choose_form(greedy_only: bool, vocab: int, platform: str | None = None) -> str:
@@ -136,13 +155,16 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   grid resident on the GPU at once.
 
   ``("hopper", True)`` (greedy-only, B a multiple of 64, any head) computes v in XLA and runs each
-  step as `hopper_step.greedy_tile_stats` (a Mosaic GPU kernel for Hopper GPUs; ``("tile", c)``,
-  ``("stages", s)``, ``("programs", P)`` set it up). Experimental: not yet timed on a GPU.
+  step as `hopper_step.greedy_partials` (a Mosaic GPU kernel for Hopper GPUs; ``("tile", c)``,
+  ``("stages", s)``, ``("programs", P)`` set it up). Greedy-only blocks take it by default where
+  `hopper_by_default` says so; ``("hopper", False)`` keeps the Triton kernel.
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
   persistent = options.pop("persistent", False)
-  hopper = options.pop("hopper", False)
+  interpret = jax.default_backend() == "cpu"
+  hopper = options.pop("hopper", greedy_only and not persistent and not interpret and
+                       hopper_by_default(batch, vocab, head_params["w2"].dtype, base_logits.dtype))
   if hopper and not greedy_only:
     raise ValueError("pallas_options: hopper is a greedy-only kernel (hopper_step)")
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
@@ -151,7 +173,6 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []
-  interpret = jax.default_backend() == "cpu"
   noise, greedy_rows = None, greedy.astype(jnp.int32)  # converted once, not per step
   if not greedy_only:  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
@@ -175,7 +196,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     hidden_k = None if hidden is None else hidden[:, k]
     if hopper:  # v in XLA (any head), then the Mosaic GPU kernel and one reduction
       v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
-      prev = hopper_step.tokens(*hopper_step.greedy_tile_stats(
+      prev = hopper_step.tokens(*hopper_step.greedy_partials(
           v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
       tokens.append(prev)
       if conf_params is not None:
@@ -215,8 +236,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows),
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
-  whole block in one `fused_block` kernel), and ``hopper`` (default off; greedy-only: each step a
-  `hopper_step` kernel).
+  whole block in one `fused_block` kernel), and ``hopper`` (greedy-only: each step a `hopper_step`
+  kernel; default `hopper_by_default`, i.e. from 128 rows on a Hopper GPU).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

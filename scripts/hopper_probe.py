@@ -4,7 +4,7 @@ For each (V, B) it times, back to back (`bench_sampler.pipelined_seconds`), the 
 γ = 7 dependent steps written three ways, all with ``v = W1[x]`` gathered in XLA:
 
 * ``triton``: `fused_step.step_stats` (greedy-only) per step, then `sampling.tokens_from_tile_choices`;
-* ``hopper t<tile> s<stages>``: `hopper_step.greedy_tile_stats` per step, then `hopper_step.tokens`;
+* ``hopper t<tile> s<stages>``: `hopper_step.greedy_partials` per step, then `hopper_step.tokens`;
 * ``auto``: `proposal.folded_block` greedy-only as `build_draft_sampler` runs it (W1 in the kernel);
 
 and checks each hopper program's tokens against the triton program's (they may differ at
@@ -56,7 +56,7 @@ def triton_step(v, w2, base, k):
 
 def hopper_step_fn(tile, stages, programs=None):
   def step(v, w2, base, k):
-    return hopper_step.tokens(*hopper_step.greedy_tile_stats(
+    return hopper_step.tokens(*hopper_step.greedy_partials(
         v, w2, base, step=k, tile=tile, stages=stages, programs=programs, interpret=INTERPRET))
   return step
 
