@@ -1,31 +1,40 @@
-"""A greedy draft step as a Hopper kernel (Pallas' Mosaic GPU backend), for large batches.
+"""Draft steps as Hopper kernels (Pallas' Mosaic GPU backend), for batches of 64 rows and more.
 
 From 64 rows `fused_step`'s Triton kernel keeps L2 busy while DRAM runs at half its peak on an
 H200 (BENCHMARKS.md, issue 6): every instance re-reads the Markov vectors ``v`` and, with two row
-blocks, W2 from L2, and its loads are plain per-thread loads. This kernel is the other design:
+blocks, W2 from L2, and its loads are plain per-thread loads. These kernels are the other design:
 
 * a fixed grid of `programs` instances (one per multiprocessor), each keeping all B rows of ``v``
   [B, r] in shared memory for the whole step (loaded once, by the tensor memory accelerator, TMA);
-* each instance walks the vocabulary tiles p, p + P, ... (a tile is `tile` columns), with `stages`
-  TMA copies of the next tiles' W2 block [r, tile] and base logits [B, tile] in flight while it
-  works on the current one;
+* each instance walks the vocabulary tiles p, p + P, ... in increasing order, with `stages` TMA
+  copies of the next tiles' W2 block [r, tile] and base logits [B, tile] in flight while it works
+  on the current one;
 * per tile: ``v @ W2`` on the tensor cores (WGMMA, float32 accumulator), ``+ U_k``, rounded to the
-  logits dtype, then each row's max and first argmax, kept as a running best over the instance's
-  tiles: one pair per instance and row leaves the kernel ([P, B]), and XLA reduces the P pairs.
+  logits dtype, then each row's (key, token) pair for the tile, kept as a running best over the
+  instance's tiles: one pair per instance and row leaves the kernel ([P, B]), and XLA reduces the
+  P pairs (`tokens`).
 
-Greedy-only, vectors given (gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128). The batch must be
-a multiple of 64 (the tensor cores' row block) and V of `tile`. Maxima use `fused_step`'s integer
-keys (NaN first, -0 = +0), so the tokens are the argmax the other forms give, up to the order in
-which ``v @ W2`` is summed (in the benchmark runs they equalled the Triton kernel's everywhere).
+`greedy_partials` is the greedy-only step (64-column tiles). `sampling_partials` is the sampling
+variant's: 128-column tiles (`sampling.vocab_tile`, the two-level sampler's), the corrected logits
+written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
+`new_corrected`), and a sampled row's pair the tile score of `fused_step` without draws, so XLA
+draws inside the chosen tile afterwards (`sampling.tokens_in_chosen_tiles`). Both take the vectors
+(gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128), B a multiple of 64 (the tensor cores' row
+block). Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so tokens are the other forms',
+up to the order in which ``v @ W2`` is summed; in the benchmark runs tokens and corrected logits
+equalled the Triton kernels' everywhere.
 
-On an H200 the greedy-only block at B = 128 took 300 µs instead of the Triton kernel's 336 µs
-(V = 129280) and 311 instead of 366 µs (V = 151936); at B = 64 it was no faster (BENCHMARKS.md,
-issue 6, version 19). So `proposal.folded_block` takes it by default for greedy-only blocks from
-`proposal.HOPPER_FROM_BATCH` rows on a Hopper GPU (`proposal.hopper_by_default`);
-``pallas_options=(("hopper", False),)`` keeps the Triton kernel, ``(("hopper", True),)`` forces it.
-Tests run it in Mosaic GPU's CPU interpreter, where it is exact. `scripts/hopper_probe.py` times it.
+On an H200 (BENCHMARKS.md, issue 6, versions 19 and 20) the greedy-only block at B = 128 took
+297-300 µs instead of the Triton kernel's 336 µs (V = 129280) and 311-321 instead of 366 µs
+(V = 151936); at B = 64 it was no faster. So `proposal.folded_block` takes `greedy_partials` by
+default for greedy-only blocks from `proposal.HOPPER_FROM_BATCH` rows on a Hopper GPU
+(`proposal.hopper_by_default`); ``pallas_options=(("hopper", False),)`` keeps the Triton kernel.
+The sampling kernel is opt-in (``(("hopper", True),)``): at B = 64 it was no faster than the
+Triton kernel (its step kernel 32 µs, 1.4x its own traffic floor), and at r = 256 shared memory
+holds no more than 64 rows of it (`sampling_smem_bytes`). Tests run both in Mosaic GPU's CPU
+interpreter, where they equal the loop form bit for bit. `scripts/hopper_probe.py` times the
+greedy kernel.
 """
-
 
 from __future__ import annotations
 
@@ -59,6 +68,54 @@ def _swizzled(width: int, itemsize: int, interpret: bool):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _grid(v, base_logits, tile, stages, programs, interpret):
+  """Checks the shapes both kernels need; returns (tiles, instances, tiles per instance)."""
+  rows = v.shape[0]
+  batch, _, vocab = base_logits.shape
+  if rows != batch or rows % ROW_BLOCK:
+    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}, got "
+                     f"{v.shape}")
+  if vocab % tile:
+    raise ValueError(f"tile: {tile} does not divide V = {vocab}")
+  if stages < 1:
+    raise ValueError(f"stages: expected >= 1, got {stages}")
+  tiles = vocab // tile
+  if programs is None:
+    programs = 4 if interpret else jax.devices()[0].core_count
+  programs = min(programs, tiles)
+  return tiles, programs, -(-tiles // programs)
+
+
+def _next_slot(i, stages, per_program, fetch, in_barriers):
+  """Starts tile ``i + stages - 1``'s copies (into the slot tile i - 1 used, which is done with
+  it), then waits for tile i's: returns tile i's slot."""
+  @pl.when(i + stages - 1 < per_program)
+  def _():
+    fetch(i + stages - 1)
+  slot = lax.rem(i, stages)
+  plgpu.barrier_wait(in_barriers.at[slot])
+  return slot
+
+
+def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
+  """``v @ W2 + U`` for one tile on the tensor cores, rounded to `dtype`: [B, tile] registers."""
+  plgpu.wgmma(acc_ref, v_smem, w2_tile)
+  plgpu.wgmma_wait(0)
+  u = u_tile[...] if interpret else plgpu.load(u_tile, (), layout=plgpu.Layout.WGMMA)
+  return (acc_ref[...] + u.astype(jnp.float32)).astype(dtype)
+
+
+def _first_max(x, col0, interpret):
+  """Per row of float32 [B, tile] registers: (max integer key, first column at it, from `col0`);
+  NaN first and -0 = +0, as in `fused_step`."""
+  keys = fused_step.order_keys(x)
+  best = jnp.max(keys, axis=1)
+  lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
+           plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
+  at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
+  return best, jnp.min(jnp.where(at_best, lanes + col0, _NO_TOKEN), axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "interpret"))
 def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
                     interpret=False):
@@ -85,19 +142,7 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
     with P = min(programs, V / tile).
   """
   rows, rank = v.shape
-  batch, _, vocab = base_logits.shape
-  if rows != batch or rows % ROW_BLOCK:
-    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}, got "
-                     f"{v.shape}")
-  if vocab % tile:
-    raise ValueError(f"tile: {tile} does not divide V = {vocab}")
-  if stages < 1:
-    raise ValueError(f"stages: expected >= 1, got {stages}")
-  tiles = vocab // tile
-  if programs is None:
-    programs = 4 if interpret else jax.devices()[0].core_count
-  programs = min(programs, tiles)
-  per_program = -(-tiles // programs)
+  tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
   v = v.astype(w2.dtype)
 
   def kernel(v_gmem, w2_gmem, base_gmem, max_gmem, arg_gmem,
@@ -114,25 +159,12 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
 
     def tile_best(i):
       """Tile i's (key, first column) per row, once its copies have landed."""
-      @pl.when(i + stages - 1 < per_program)
-      def _():
-        fetch(i + stages - 1)  # into the slot tile i - 1 used, which is done with it
-      slot = lax.rem(i, stages)
-      plgpu.barrier_wait(in_barriers.at[slot])
+      slot = _next_slot(i, stages, per_program, fetch, in_barriers)
 
       def with_accumulator(acc_ref):
-        plgpu.wgmma(acc_ref, v_smem, w2_smem.at[slot])
-        plgpu.wgmma_wait(0)
-        u_ref = u_smem.at[slot]
-        u = u_ref[...] if interpret else plgpu.load(u_ref, (), layout=plgpu.Layout.WGMMA)
-        x = (acc_ref[...] + u.astype(jnp.float32)).astype(base_gmem.dtype).astype(jnp.float32)
-        keys = fused_step.order_keys(x)  # NaN first, -0 = +0, as in `fused_step`
-        best = jnp.max(keys, axis=1)
-        lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
-                 plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
-        at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
-        first = jnp.min(jnp.where(at_best, lanes + tile_of(i) * tile, _NO_TOKEN), axis=1)
-        return best, first
+        logits = _corrected_tile(acc_ref, v_smem, w2_smem.at[slot], u_smem.at[slot],
+                                 base_gmem.dtype, interpret)
+        return _first_max(logits.astype(jnp.float32), tile_of(i) * tile, interpret)
       return pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
 
     def visit(i, carry):
@@ -175,3 +207,150 @@ def tokens(program_max, program_argmax):
   """[B] int32 greedy tokens from `greedy_partials`' [P, B] pairs: the first maximum, NaN first
   (`sampling.tokens_from_tile_choices` over the instances)."""
   return sampling.tokens_from_tile_choices(program_max.T, program_argmax.T)
+
+
+SMEM_BYTES = 227 * 1024  # shared memory one instance may use on an H100 / H200
+
+
+def sampling_smem_bytes(batch: int, rank: int, tile: int, stages: int, itemsize: int = 2) -> int:
+  """Shared memory `sampling_partials` needs: v, `stages` W2 / U_k / noise tiles, an output tile,
+  and the row vectors, each buffer rounded up to 1 KB as Mosaic GPU places them."""
+  buffers = [batch * rank * itemsize, stages * rank * tile * itemsize,
+             stages * batch * tile * itemsize, batch * tile * itemsize, stages * batch * 4] + (
+                 [batch * 4] * 4)
+  return sum(-(-b // 1024) * 1024 for b in buffers)
+
+
+def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_noise, *, step,
+                      programs=None, stages=2, interpret=False):
+  """One sampling-variant step: writes step `step`'s corrected logits into `corrected` and returns
+  each instance's best (key, token) pair per row over its vocabulary tiles.
+
+  The tiles are `sampling.vocab_tile(V)` columns wide (the two-level sampler's tiles, so a row's
+  noise does not depend on the batch). Per tile and row, as `fused_step` without draws: a greedy
+  row's key is the tile's max and its token the first argmax; a sampled row's key is the tile's
+  score ``logsumexp(x / T) + G_tile`` (`sampling.tile_log_mass`) and its token the tile's first
+  column. Each instance keeps the best pair over its tiles (a later tile wins only with a strictly
+  larger integer key), so `sampling.tokens_from_tile_choices` over the [P, B] pairs chooses exactly
+  as over all tiles' pairs; `sampling.tokens_in_chosen_tiles` then draws inside a sampled row's tile.
+
+  Args:
+    v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64, small enough for
+      shared memory (`sampling_smem_bytes`; 64 rows at r = 256).
+    w2: [r, V]. base_logits: [B, γ, V] (slice `step` is read).
+    corrected: a ``jax.Ref`` [B, γ, V] of the logits' dtype in GPU global memory
+      (``jax.new_ref(..., memory_space=plgpu.GMEM)``); slice `step` is written in place.
+    temperature: [B] float32 (clamped). greedy: [B] int32, nonzero for greedy rows.
+    tile_noise: [γ, V/c, B] float32, the tile-choice Gumbel noise (`sampling.tile_noise`'s first
+      V/c values per row, tile-major so that each tile's column is one copy).
+    step, programs, stages, interpret: as in `greedy_partials`.
+
+  Returns:
+    ``(program_key [P, B] float32, program_token [P, B] int32)``.
+  """
+  rows, rank = v.shape
+  vocab = base_logits.shape[2]
+  tile = sampling.vocab_tile(vocab)
+  if tile < 64:
+    raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= 64")
+  tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
+  itemsize = jnp.dtype(w2.dtype).itemsize
+  need = sampling_smem_bytes(rows, rank, tile, stages, itemsize)
+  if need > SMEM_BYTES:
+    raise ValueError(f"v: {rows} rows with r = {rank} and {stages} stages need {need} bytes of "
+                     f"shared memory, more than {SMEM_BYTES}")
+  v = v.astype(w2.dtype)
+  row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
+
+  def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, noise_gmem,
+             key_gmem, token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, noise_smem,
+             out_smem, key_smem, token_smem, v_barrier, in_barriers):
+    program = lax.axis_index("program")
+    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)  # as in greedy_partials
+
+    def fetch(i):
+      slot, j = lax.rem(i, stages), tile_of(i)
+      cols = pl.ds(j * tile, tile)
+      plgpu.copy_gmem_to_smem(w2_gmem.at[:, cols], w2_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, cols], u_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(noise_gmem.at[step, j], noise_smem.at[slot], in_barriers.at[slot])
+
+    def load_rows(ref):  # a [B] vector in the layout of a row reduction of the accumulator
+      return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
+
+    def tile_pair(i, temp, greedy_rows):
+      """Tile i's (key, token) per row, its corrected logits stored, once its copies landed."""
+      slot, j = _next_slot(i, stages, per_program, fetch, in_barriers), tile_of(i)
+
+      def with_accumulator(acc_ref):
+        logits = _corrected_tile(acc_ref, v_smem, w2_smem.at[slot], u_smem.at[slot],
+                                 base_gmem.dtype, interpret)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read it
+        out_smem[...] = logits
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, corrected_gmem.at[:, step, pl.ds(j * tile, tile)])
+        x = logits.astype(jnp.float32)
+        best, first = _first_max(x, j * tile, interpret)
+        tile_max = fused_step.key_value(best)
+        # sampling.tile_log_mass, in the same order of operations
+        shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
+        mass = jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
+                               - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
+        score = shift + jnp.log(mass) + load_rows(noise_smem.at[slot])
+        greedy_row = greedy_rows != 0
+        key = jnp.where(greedy_row, tile_max, score)
+        return fused_step.order_keys(key), jnp.where(greedy_row, first, j * tile)
+      return pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
+
+    plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
+    plgpu.copy_gmem_to_smem(temp_gmem, temp_smem, v_barrier.at[0])
+    plgpu.copy_gmem_to_smem(greedy_gmem, greedy_smem, v_barrier.at[0])
+    for i in range(min(stages - 1, per_program)):
+      fetch(i)
+    plgpu.barrier_wait(v_barrier.at[0])
+    temp, greedy_rows = load_rows(temp_smem), load_rows(greedy_smem)
+
+    def visit(i, carry):
+      best, token = carry
+      tile_key, tile_token = tile_pair(i, temp, greedy_rows)
+      later_wins = tile_key > best  # tiles come in column order: ties keep the earlier tile
+      return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_token, token)
+
+    best, token = lax.fori_loop(1, per_program, visit, tile_pair(0, temp, greedy_rows))
+    key_smem[...] = fused_step.key_value(best)
+    token_smem[...] = token
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(key_smem, key_gmem.at[program])
+    plgpu.copy_smem_to_gmem(token_smem, token_gmem.at[program])
+    plgpu.wait_smem_to_gmem(0)
+
+  logits_dtype = base_logits.dtype
+  logits_swizzle = _swizzled(tile, jnp.dtype(logits_dtype).itemsize, interpret)
+  scratch = [
+      plgpu.SMEM((rows, rank), w2.dtype, transforms=_swizzled(rank, itemsize, interpret)),
+      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
+      plgpu.SMEM((stages, rank, tile), w2.dtype, transforms=_swizzled(tile, itemsize, interpret)),
+      plgpu.SMEM((stages, rows, tile), logits_dtype, transforms=logits_swizzle),
+      plgpu.SMEM((stages, rows), jnp.float32),
+      plgpu.SMEM((rows, tile), logits_dtype, transforms=logits_swizzle),
+      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
+      plgpu.Barrier(num_arrivals=3, num_barriers=1),
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+  ]
+  out_type = [jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+              jax.ShapeDtypeStruct((programs, rows), jnp.int32)]
+
+  def body(corrected_ref, *refs):  # scratch as in plgpu.kernel, which takes no refs
+    pl.run_scoped(functools.partial(kernel, corrected_ref, *refs), *scratch)
+
+  run = pl.kernel(body, out_type=out_type,
+                  mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
+                  **({"interpret": _interpret_params()} if interpret else {}))
+  return tuple(run(corrected, v, w2, base_logits, temperature.astype(jnp.float32),
+                   greedy.astype(jnp.int32), tile_noise))
+
+
+def new_corrected(shape, dtype):
+  """An uninitialised [B, γ, V] buffer in GPU global memory for `sampling_partials` to fill in
+  place (on the CPU, zeros), as a ``jax.Ref``; ``jax.freeze`` it once the block is done."""
+  return jax.new_ref(lax.empty(shape, dtype), memory_space=plgpu.GMEM)

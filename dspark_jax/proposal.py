@@ -154,10 +154,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   an H200 it was not faster overall (BENCHMARKS.md, issue 6, version 18), and it needs its whole
   grid resident on the GPU at once.
 
-  ``("hopper", True)`` (greedy-only, B a multiple of 64, any head) computes v in XLA and runs each
-  step as `hopper_step.greedy_partials` (a Mosaic GPU kernel for Hopper GPUs; ``("tile", c)``,
-  ``("stages", s)``, ``("programs", P)`` set it up). Greedy-only blocks take it by default where
-  `hopper_by_default` says so; ``("hopper", False)`` keeps the Triton kernel.
+  ``("hopper", True)`` (B a multiple of 64, any head) computes v in XLA and runs each step as a
+  Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
+  ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
+  corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to 64
+  rows). Greedy-only blocks take it by default where `hopper_by_default` says so; ``("hopper",
+  False)`` keeps the Triton kernel. The sampling variant takes it only when asked (not faster).
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
@@ -165,8 +167,6 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   interpret = jax.default_backend() == "cpu"
   hopper = options.pop("hopper", greedy_only and not persistent and not interpret and
                        hopper_by_default(batch, vocab, head_params["w2"].dtype, base_logits.dtype))
-  if hopper and not greedy_only:
-    raise ValueError("pallas_options: hopper is a greedy-only kernel (hopper_step)")
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
@@ -192,12 +192,22 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       confidence = jnp.stack([heads_lib.confidence_step(conf_params, hidden[:, k], e[:, k], k)
                               for k in range(gamma)], axis=1)
     return tokens, corrected, None if conf_params is None else confidence
+  if hopper and not greedy_only:  # tile-major tile noise; corrected logits written in place
+    tile_noise = jnp.swapaxes(noise[:, :, :vocab // sampling.vocab_tile(vocab)], 1, 2)
+    corrected_ref = hopper_step.new_corrected(base_logits.shape, base_logits.dtype)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
     if hopper:  # v in XLA (any head), then the Mosaic GPU kernel and one reduction
       v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
-      prev = hopper_step.tokens(*hopper_step.greedy_partials(
-          v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
+      if greedy_only:
+        prev = hopper_step.tokens(*hopper_step.greedy_partials(
+            v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
+      else:
+        chosen = hopper_step.tokens(*hopper_step.sampling_partials(
+            v, head_params["w2"], base_logits, corrected_ref, temperature, greedy_rows,
+            tile_noise, step=k, interpret=interpret, **options))
+        prev = sampling.tokens_in_chosen_tiles(corrected_ref[...], chosen, greedy, temperature,
+                                               noise[k], step=k)
       tokens.append(prev)
       if conf_params is not None:
         confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
@@ -218,6 +228,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
+  if hopper and not greedy_only:
+    corrected = jax.freeze(corrected_ref)
   return (jnp.stack(tokens, axis=1), corrected,
           None if conf_params is None else jnp.stack(confidence, axis=1))
 
@@ -236,8 +248,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows),
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
-  whole block in one `fused_block` kernel), and ``hopper`` (greedy-only: each step a `hopper_step`
-  kernel; default `hopper_by_default`, i.e. from 128 rows on a Hopper GPU).
+  whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
+  default for greedy-only `hopper_by_default`, i.e. from 128 rows on a Hopper GPU, else off).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
   """

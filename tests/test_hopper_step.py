@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import hopper_step, proposal
-from tests import helpers
+from tests import helpers, stats
 
 CPU = jax.default_backend() == "cpu"  # there the kernel runs in Mosaic GPU's interpreter
 
@@ -88,6 +88,8 @@ def test_hopper_form_equals_the_loop(kind):
   base[2:4, :, [70, 630]] = 60.0          # an exact tie between the second and the last tile ...
   w2 = 0.1 * head.arrays()["w2"]
   arrays = dict(head.arrays(), w2=w2.at[:, 630].set(w2[:, 70]))  # ... with the same bias
+  if not CPU:  # the kernel's tensor cores take 16-bit operands
+    arrays = {name: a.astype(jnp.bfloat16) for name, a in arrays.items()}
   h = jnp.asarray(rng.normal(0, 1, (batch, gamma, hidden)), jnp.float32)
   rows = proposal.block_arrays(dj.SamplingParams(temperature=np.zeros(batch)), np.arange(batch),
                                np.arange(batch) * 3)
@@ -105,15 +107,127 @@ def test_hopper_form_equals_the_loop(kind):
   assert np.all(tokens[0] == 0) and np.all(tokens[1] == 100) and np.all(tokens[2:4] == 70)
 
 
-def test_hopper_form_is_greedy_only():
-  head = helpers.make_head("vanilla", 640, 64, 3)
-  rows = proposal.block_arrays(dj.SamplingParams(temperature=np.ones(64)), np.arange(64),
-                               np.zeros(64))
-  with pytest.raises(ValueError, match="hopper is a greedy-only kernel"):
-    proposal.folded_block(head.arrays(), None, jnp.zeros((64, 2, 640)), rows["anchor"], None,
-                          rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
-                          jax.random.key(0), kind="vanilla", greedy_only=False, form="pallas",
-                          pallas_options=(("hopper", True),))
+def _bf16_head(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat16):
+  arrays = helpers.head_arrays(kind, vocab, rank, hidden, seed=seed, scale=scale)
+  return {name: jnp.asarray(a, dtype) for name, a in arrays.items()}
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_hopper_sampling_equals_the_loop(kind):
+  # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64, V = 1280 (ten
+  # 128-column tiles over 4 instances), γ = 2, bf16, greedy rows and rows at T = 0.5, 1, 2, a
+  # confidence head. Rows 0-1 all -inf, rows 2-3 a NaN at column 1100, rows 4-5 an exact tie
+  # between columns 70 and 1250 (first and last tile, same bias). Tokens, corrected logits and
+  # confidence equal the loop form's bit for bit in the interpreter (a float32 head there: with
+  # bf16 operands the interpreter's and XLA's dots may round one logit in 10^4 apart); on a GPU
+  # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
+  # tokens nearly all).
+  batch, gamma, vocab, rank, hidden = 64, 2, 1280, 64, 6
+  arrays = _bf16_head(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
+  arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
+  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
+  rng = np.random.default_rng(8)
+  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
+  base[0:2] = -np.inf
+  base[2:4, :, 1100] = np.nan
+  base[4:6] = 0.0
+  base[4:6, :, [70, 1250]] = 60.0
+  h = jnp.asarray(rng.normal(0, 1, (batch, gamma, hidden)), jnp.float32)
+  params = dj.SamplingParams(temperature=np.tile([0.0, 0.5, 1.0, 2.0], batch // 4),
+                             seed=np.arange(batch))
+  rows = proposal.block_arrays(params, np.arange(batch) * 11, np.arange(batch) * 3)
+  loop, hopper = [proposal.folded_block(
+      arrays, conf.arrays(), jnp.asarray(base, jnp.bfloat16), rows["anchor"], h, rows["greedy"],
+      rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(2), kind=kind,
+      greedy_only=False, form=form, pallas_options=options)
+      for form, options in (("loop", ()), ("pallas", (("hopper", True),)))]
+  tokens = np.asarray(hopper[0])
+  if CPU:
+    for a, b in zip(loop, hopper):  # as float32: NumPy's NaN == NaN rule skips bfloat16
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  else:
+    np.testing.assert_allclose(np.asarray(loop[1], np.float32), np.asarray(hopper[1], np.float32),
+                               rtol=2**-7, atol=1e-6)
+    assert np.mean(np.asarray(loop[0]) == tokens) >= 0.9
+  assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 1100)
+  assert np.all(tokens[4] == 70) and np.all(np.isin(tokens[5], [70, 1250]))
+
+
+def _vanilla_block_law_bf16(w1, w2, base, anchor, temperature):
+  """The exact law of (x1, x2) for a vanilla head whose corrected logits are rounded to bf16 (as
+  the kernel stores and samples them): [V, V] float64."""
+  def rounded(x):
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+  def softmax(x):
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+  first = softmax(rounded(base[0] + w1[anchor] @ w2) / temperature)          # [V]
+  second = softmax(rounded(base[1][None, :] + w1 @ w2) / temperature)        # [V (x1), V]
+  return first[:, None] * second
+
+
+@pytest.mark.skipif(CPU, reason="60,000 rows are too many for the interpreter; on the CPU the "
+                                "kernel equals the loop form bit for bit (test above), whose law "
+                                "test_proposal checks")
+def test_hopper_sampling_block_law():
+  # The Hopper kernel's own law on a GPU (its exp, log and summation order are its own). N = 940
+  # calls x 64 rows = 60,160 sampled rows, V = 256 (two 128-column tiles: the tile choice is
+  # exercised), γ = 2: the law of (x1, x2) over 65,536 outcomes, with the corrected logits rounded
+  # to bf16 as the kernel rounds them. Statistic: Pearson chi-square (bins with expected count < 5
+  # pooled) against that enumerated float64 law; threshold p >= 1e-3. Power: the law at 1.15 x the
+  # temperature must be rejected (p < 1e-6).
+  vocab, gamma, rank, batch, calls, temperature, anchor = 256, 2, 64, 64, 940, 0.9, 3
+  arrays = _bf16_head("vanilla", vocab, rank, 3, seed=5, scale=3.0)
+  rng = np.random.default_rng(6)
+  base = jnp.asarray(rng.normal(0, 2.5, (gamma, vocab)), jnp.bfloat16)
+  tokens = []
+  for call in range(calls):
+    params = dj.SamplingParams(temperature=np.full(batch, temperature),
+                               seed=call * batch + np.arange(batch))
+    r = proposal.block_arrays(params, np.full(batch, anchor), np.full(batch, 11))
+    tokens.append(np.asarray(proposal.folded_block(
+        arrays, None, jnp.broadcast_to(base, (batch, gamma, vocab)), r["anchor"], None,
+        r["greedy"], r["temperature"], r["seeds"], r["positions"], jax.random.key(9),
+        kind="vanilla", greedy_only=False, form="pallas", pallas_options=(("hopper", True),))[0]))
+  tokens = np.concatenate(tokens)
+  counts = np.zeros((vocab,) * gamma)
+  np.add.at(counts, tuple(tokens.T), 1)
+  w1, w2 = (np.asarray(arrays[name], np.float64) for name in ("w1", "w2"))
+  base64 = np.asarray(base, np.float64)
+  stats.assert_law(counts, _vanilla_block_law_bf16(w1, w2, base64, anchor, temperature),
+                   what="hopper block law")
+  stats.assert_rejects(counts, _vanilla_block_law_bf16(w1, w2, base64, anchor, 1.15 * temperature),
+                       what="hopper vs 1.15 T")
+
+
+def test_hopper_sampling_rejects_a_batch_shared_memory_cannot_hold():
+  arrays = _bf16_head("vanilla", 1280, 256, 3)
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=np.ones(128)), np.arange(128),
+                               np.zeros(128))
+  with pytest.raises(ValueError, match="^v: 128 rows with r = 256"):
+    proposal.folded_block(arrays, None, jnp.zeros((128, 2, 1280), jnp.bfloat16), rows["anchor"],
+                          None, rows["greedy"], rows["temperature"], rows["seeds"],
+                          rows["positions"], jax.random.key(0), kind="vanilla", greedy_only=False,
+                          form="pallas", pallas_options=(("hopper", True),))
+
+
+def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape():
+  # B = 64, r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place.
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  batch, rank, vocab, gamma = 64, 256, 129280, 7
+
+  def step(v, w2, base, temperature, greedy, noise):
+    corrected = hopper_step.new_corrected(base.shape, base.dtype)
+    pairs = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy, noise,
+                                          step=3, programs=132)
+    return pairs, jax.freeze(corrected)
+  lowered = jax.jit(step).trace(
+      spec((batch, rank), jnp.bfloat16), spec((rank, vocab), jnp.bfloat16),
+      spec((batch, gamma, vocab), jnp.bfloat16), spec((batch,), jnp.float32),
+      spec((batch,), jnp.int32), spec((gamma, vocab // 128, batch), jnp.float32)).lower(
+          lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_hopper_by_default_only_where_it_was_measured_to_win():
@@ -128,4 +242,5 @@ def test_hopper_by_default_only_where_it_was_measured_to_win():
   assert not proposal.hopper_by_default(128, 129280, bf16, jnp.float32, hopper_gpu)
   ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
   assert not proposal.hopper_by_default(128, 129280, bf16, bf16, ampere)
-  assert not proposal.hopper_by_default(128, 129280, bf16, bf16, jax.devices("cpu")[0])
+  cpu = types.SimpleNamespace(platform="cpu")
+  assert not proposal.hopper_by_default(128, 129280, bf16, bf16, cpu)
