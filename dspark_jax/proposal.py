@@ -158,18 +158,25 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
   corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to 64
-  rows). Greedy-only blocks take it by default where `hopper_by_default` says so; ``("hopper",
-  False)`` keeps the Triton kernel. The sampling variant takes it only when asked (not faster).
+  rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
+  kernel settings are given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
+  takes it only when asked (it was not faster).
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
   persistent = options.pop("persistent", False)
   interpret = jax.default_backend() == "cpu"
-  hopper = options.pop("hopper", greedy_only and not persistent and not interpret and
-                       hopper_by_default(batch, vocab, head_params["w2"].dtype, base_logits.dtype))
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
+  # Settings for the Triton kernel (rows, warps, ...) keep it, unless hopper is asked for.
+  hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
+                       and hopper_by_default(batch, vocab, head_params["w2"].dtype,
+                                             base_logits.dtype))
+  hopper_settings = {"tile", "stages", "programs"} if greedy_only else {"stages", "programs"}
+  if hopper and set(options) - hopper_settings:
+    raise ValueError(f"pallas_options: {sorted(set(options) - hopper_settings)[0]!r} is not a "
+                     f"setting of the hopper kernel (it takes {sorted(hopper_settings)})")
   prev = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence = None, [], []

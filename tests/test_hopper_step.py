@@ -244,3 +244,14 @@ def test_hopper_by_default_only_where_it_was_measured_to_win():
   assert not proposal.hopper_by_default(128, 129280, bf16, bf16, ampere)
   cpu = types.SimpleNamespace(platform="cpu")
   assert not proposal.hopper_by_default(128, 129280, bf16, bf16, cpu)
+
+
+def test_hopper_form_names_a_setting_it_does_not_take():
+  head = helpers.make_head("vanilla", 640, 64, 3)
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=np.zeros(64)), np.arange(64),
+                               np.zeros(64))
+  with pytest.raises(ValueError, match="^pallas_options: 'num_warps' is not a setting"):
+    proposal.folded_block(head.arrays(), None, jnp.zeros((64, 2, 640)), rows["anchor"], None,
+                          rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
+                          jax.random.key(0), kind="vanilla", greedy_only=True, form="pallas",
+                          pallas_options=(("hopper", True), ("num_warps", 8)))
