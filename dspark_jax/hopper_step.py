@@ -15,10 +15,11 @@ blocks, W2 from L2, and its loads are plain per-thread loads. These kernels are 
   P pairs (`tokens`).
 
 `greedy_partials` is the greedy-only step (64-column tiles). `sampling_partials` is the sampling
-variant's: 128-column tiles (`sampling.vocab_tile`, the two-level sampler's), the corrected logits
-written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
-`new_corrected`), and a sampled row's pair the tile score of `fused_step` without draws, so XLA
-draws inside the chosen tile afterwards (`sampling.tokens_in_chosen_tiles`). Both take the vectors
+variant's: 128-column tiles (`sampling.vocab_tile`, the two-level sampler's) computed as 64-column
+parts, the corrected logits written in place into a [B, γ, V] buffer through shared memory and
+TMA (a mutable ``jax.Ref``, `new_corrected`), and a sampled row's pair the tile score of
+`fused_step` without draws, so XLA draws inside the chosen tile afterwards
+(`sampling.tokens_in_chosen_tiles`). Both take the vectors
 (gather ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128), B a multiple of 64 (the tensor cores' row
 block). Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so tokens are the other forms',
 up to the order in which ``v @ W2`` is summed; in the benchmark runs tokens and corrected logits
@@ -29,11 +30,14 @@ On an H200 (BENCHMARKS.md, issue 6, versions 19 and 20) the greedy-only block at
 (V = 151936); at B = 64 it was no faster. So `proposal.folded_block` takes `greedy_partials` by
 default for greedy-only blocks from `proposal.HOPPER_FROM_BATCH` rows on a Hopper GPU
 (`proposal.hopper_by_default`); ``pallas_options=(("hopper", False),)`` keeps the Triton kernel.
-The sampling kernel is opt-in (``(("hopper", True),)``): at B = 64 it was no faster than the
-Triton kernel (its step kernel 32 µs, 1.4x its own traffic floor), and at r = 256 shared memory
-holds no more than 64 rows of it (`sampling_smem_bytes`). Tests run both in Mosaic GPU's CPU
-interpreter, where they equal the loop form bit for bit. `scripts/hopper_probe.py` times the
-greedy kernel.
+The sampling kernel is opt-in (``(("hopper", True),)``). Its first form (whole 128-column tiles
+per stage, two stages, up to 64 rows at r = 256) was no faster than the Triton kernel at B = 64:
+its step kernel took 32 µs, 1.4x its own traffic floor, with one tile's copies in flight (version
+20). The present form stages 64-column parts and writes each part's logits back over its U_k
+part, so 128 rows fit three stages and 64 rows four (`sampling_stages`); it is exact in the
+interpreter and lowers for CUDA, but has not run on a GPU yet (version 21). Tests run both
+kernels in Mosaic GPU's CPU interpreter, where they equal the loop form bit for bit.
+`scripts/hopper_probe.py` times the greedy kernel.
 """
 
 from __future__ import annotations
@@ -210,40 +214,51 @@ def tokens(program_max, program_argmax):
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one instance may use on an H100 / H200
+PART = 64  # columns per WGMMA of the sampling kernel: a sampler tile is 1 or 2 parts
 
 
-def sampling_smem_bytes(batch: int, rank: int, tile: int, stages: int, itemsize: int = 2) -> int:
-  """Shared memory `sampling_partials` needs: v, `stages` W2 / U_k / noise tiles, an output tile,
-  and the row vectors, each buffer rounded up to 1 KB as Mosaic GPU places them."""
-  buffers = [batch * rank * itemsize, stages * rank * tile * itemsize,
-             stages * batch * tile * itemsize, batch * tile * itemsize, stages * batch * 4] + (
-                 [batch * 4] * 4)
-  return sum(-(-b // 1024) * 1024 for b in buffers)
+def sampling_smem_bytes(batch: int, rank: int, stages: int, itemsize: int = 2) -> int:
+  """Shared memory `sampling_partials` needs: v, `stages` W2 / U_k parts and noise rows, and the
+  row vectors, each buffer rounded up to 1 KB as Mosaic GPU places them, plus 1 KB for barriers."""
+  buffers = [batch * rank * itemsize, stages * rank * PART * itemsize,
+             stages * batch * PART * itemsize, stages * batch * 4] + [batch * 4] * 4
+  return sum(-(-b // 1024) * 1024 for b in buffers) + 1024
+
+
+def sampling_stages(batch: int, rank: int, itemsize: int = 2, most: int = 4) -> int:
+  """The most pipeline stages (up to `most`) whose shared memory fits (0: none does)."""
+  fits = [n for n in range(1, most + 1)
+          if sampling_smem_bytes(batch, rank, n, itemsize) <= SMEM_BYTES]
+  return max(fits, default=0)
 
 
 def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_noise, *, step,
-                      programs=None, stages=2, interpret=False):
+                      programs=None, stages=None, interpret=False):
   """One sampling-variant step: writes step `step`'s corrected logits into `corrected` and returns
   each instance's best (key, token) pair per row over its vocabulary tiles.
 
   The tiles are `sampling.vocab_tile(V)` columns wide (the two-level sampler's tiles, so a row's
-  noise does not depend on the batch). Per tile and row, as `fused_step` without draws: a greedy
-  row's key is the tile's max and its token the first argmax; a sampled row's key is the tile's
-  score ``logsumexp(x / T) + G_tile`` (`sampling.tile_log_mass`) and its token the tile's first
-  column. Each instance keeps the best pair over its tiles (a later tile wins only with a strictly
-  larger integer key), so `sampling.tokens_from_tile_choices` over the [P, B] pairs chooses exactly
-  as over all tiles' pairs; `sampling.tokens_in_chosen_tiles` then draws inside a sampled row's tile.
+  noise does not depend on the batch), each computed as `PART`-column parts: the pipeline stages
+  hold parts, so that 128 rows and three stages fit shared memory. Per tile and row, as
+  `fused_step` without draws: a greedy row's key is the tile's max and its token the first argmax;
+  a sampled row's key is the tile's score ``logsumexp(x / T) + G_tile`` (`sampling.tile_log_mass`,
+  its sum taken part by part) and its token the tile's first column. Each instance keeps the best
+  pair over its tiles (a later tile wins only with a strictly larger integer key), so
+  `sampling.tokens_from_tile_choices` over the [P, B] pairs chooses as over all tiles' pairs;
+  `sampling.tokens_in_chosen_tiles` then draws inside a sampled row's tile. A part's corrected
+  logits are written back over its U_k part in shared memory and stored from there by TMA.
 
   Args:
-    v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64, small enough for
-      shared memory (`sampling_smem_bytes`; 64 rows at r = 256).
+    v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
+      (`sampling_stages`: up to 128 rows at r = 256).
     w2: [r, V]. base_logits: [B, γ, V] (slice `step` is read).
     corrected: a ``jax.Ref`` [B, γ, V] of the logits' dtype in GPU global memory
-      (``jax.new_ref(..., memory_space=plgpu.GMEM)``); slice `step` is written in place.
+      (`new_corrected`); slice `step` is written in place.
     temperature: [B] float32 (clamped). greedy: [B] int32, nonzero for greedy rows.
     tile_noise: [γ, V/c, B] float32, the tile-choice Gumbel noise (`sampling.tile_noise`'s first
       V/c values per row, tile-major so that each tile's column is one copy).
-    step, programs, stages, interpret: as in `greedy_partials`.
+    step, programs, interpret: as in `greedy_partials`. stages: static parts whose copies are in
+      flight at once (None: the most that fit, up to 4).
 
   Returns:
     ``(program_key [P, B] float32, program_token [P, B] int32)``.
@@ -251,62 +266,80 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
   rows, rank = v.shape
   vocab = base_logits.shape[2]
   tile = sampling.vocab_tile(vocab)
-  if tile < 64:
-    raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= 64")
-  tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
+  if tile < PART:
+    raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= {PART}")
   itemsize = jnp.dtype(w2.dtype).itemsize
-  need = sampling_smem_bytes(rows, rank, tile, stages, itemsize)
+  if stages is None:
+    stages = max(sampling_stages(rows, rank, itemsize), 1)
+  tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
+  need = sampling_smem_bytes(rows, rank, stages, itemsize)
   if need > SMEM_BYTES:
     raise ValueError(f"v: {rows} rows with r = {rank} and {stages} stages need {need} bytes of "
                      f"shared memory, more than {SMEM_BYTES}")
+  parts = tile // PART
   v = v.astype(w2.dtype)
   row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
 
   def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, noise_gmem,
              key_gmem, token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, noise_smem,
-             out_smem, key_smem, token_smem, v_barrier, in_barriers):
+             key_smem, token_smem, v_barrier, in_barriers):
     program = lax.axis_index("program")
     tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)  # as in greedy_partials
+    columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
 
-    def fetch(i):
-      slot, j = lax.rem(i, stages), tile_of(i)
-      cols = pl.ds(j * tile, tile)
-      plgpu.copy_gmem_to_smem(w2_gmem.at[:, cols], w2_smem.at[slot], in_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, cols], u_smem.at[slot], in_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(noise_gmem.at[step, j], noise_smem.at[slot], in_barriers.at[slot])
+    def fetch(n):  # part n of the instance's parts, into slot n % stages
+      slot = lax.rem(n, stages)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's logits are stored from it
+      plgpu.copy_gmem_to_smem(w2_gmem.at[:, columns(n)], w2_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, columns(n)], u_smem.at[slot],
+                              in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(noise_gmem.at[step, tile_of(n // parts)], noise_smem.at[slot],
+                              in_barriers.at[slot])
 
     def load_rows(ref):  # a [B] vector in the layout of a row reduction of the accumulator
       return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
 
-    def tile_pair(i, temp, greedy_rows):
-      """Tile i's (key, token) per row, its corrected logits stored, once its copies landed."""
-      slot, j = _next_slot(i, stages, per_program, fetch, in_barriers), tile_of(i)
+    def part_logits(n):
+      """Part n's corrected logits, [B, PART] float32, once its copies landed (also stored)."""
+      slot = _next_slot(n, stages, per_program * parts, fetch, in_barriers)
 
       def with_accumulator(acc_ref):
         logits = _corrected_tile(acc_ref, v_smem, w2_smem.at[slot], u_smem.at[slot],
                                  base_gmem.dtype, interpret)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read it
-        out_smem[...] = logits
+        u_smem.at[slot][...] = logits  # over the U_k part, which is in registers now
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, corrected_gmem.at[:, step, pl.ds(j * tile, tile)])
-        x = logits.astype(jnp.float32)
-        best, first = _first_max(x, j * tile, interpret)
-        tile_max = fused_step.key_value(best)
-        # sampling.tile_log_mass, in the same order of operations
-        shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
-        mass = jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
-                               - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
-        score = shift + jnp.log(mass) + load_rows(noise_smem.at[slot])
-        greedy_row = greedy_rows != 0
-        key = jnp.where(greedy_row, tile_max, score)
-        return fused_step.order_keys(key), jnp.where(greedy_row, first, j * tile)
-      return pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
+        plgpu.copy_smem_to_gmem(u_smem.at[slot], corrected_gmem.at[:, step, columns(n)])
+        return logits.astype(jnp.float32), slot
+      return pl.run_scoped(with_accumulator, plgpu.ACC((rows, PART), jnp.float32))
+
+    def tile_pair(i, temp, greedy_rows):
+      """Tile i's (key, token) per row."""
+      xs, best, first = [], None, None
+      for h in range(parts):
+        x, slot = part_logits(i * parts + h)
+        part_best, part_first = _first_max(x, tile_of(i) * tile + h * PART, interpret)
+        if h == 0:
+          best, first = part_best, part_first
+        else:  # parts come in column order: ties keep the earlier one
+          later = part_best > best
+          best, first = jnp.where(later, part_best, best), jnp.where(later, part_first, first)
+        xs.append(x)
+      tile_max = fused_step.key_value(best)
+      # sampling.tile_log_mass, the sum taken part by part
+      shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
+      mass = sum(jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
+                                 - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
+                 for x in xs)
+      score = shift + jnp.log(mass) + load_rows(noise_smem.at[slot])
+      greedy_row = greedy_rows != 0
+      key = jnp.where(greedy_row, tile_max, score)
+      return fused_step.order_keys(key), jnp.where(greedy_row, first, tile_of(i) * tile)
 
     plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
     plgpu.copy_gmem_to_smem(temp_gmem, temp_smem, v_barrier.at[0])
     plgpu.copy_gmem_to_smem(greedy_gmem, greedy_smem, v_barrier.at[0])
-    for i in range(min(stages - 1, per_program)):
-      fetch(i)
+    for n in range(min(stages - 1, per_program * parts)):
+      fetch(n)
     plgpu.barrier_wait(v_barrier.at[0])
     temp, greedy_rows = load_rows(temp_smem), load_rows(greedy_smem)
 
@@ -325,14 +358,13 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
     plgpu.wait_smem_to_gmem(0)
 
   logits_dtype = base_logits.dtype
-  logits_swizzle = _swizzled(tile, jnp.dtype(logits_dtype).itemsize, interpret)
   scratch = [
       plgpu.SMEM((rows, rank), w2.dtype, transforms=_swizzled(rank, itemsize, interpret)),
       plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
-      plgpu.SMEM((stages, rank, tile), w2.dtype, transforms=_swizzled(tile, itemsize, interpret)),
-      plgpu.SMEM((stages, rows, tile), logits_dtype, transforms=logits_swizzle),
+      plgpu.SMEM((stages, rank, PART), w2.dtype, transforms=_swizzled(PART, itemsize, interpret)),
+      plgpu.SMEM((stages, rows, PART), logits_dtype,
+                 transforms=_swizzled(PART, jnp.dtype(logits_dtype).itemsize, interpret)),
       plgpu.SMEM((stages, rows), jnp.float32),
-      plgpu.SMEM((rows, tile), logits_dtype, transforms=logits_swizzle),
       plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
       plgpu.Barrier(num_arrivals=3, num_barriers=1),
       plgpu.Barrier(num_arrivals=3, num_barriers=stages),

@@ -157,10 +157,10 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   ``("hopper", True)`` (B a multiple of 64, any head) computes v in XLA and runs each step as a
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
-  corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to 64
-  rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
+  corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to
+  128 rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
   kernel settings are given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
-  takes it only when asked (it was not faster).
+  takes it only when asked (its first form was not faster; the present one is not yet timed).
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape

@@ -112,17 +112,18 @@ def _bf16_head(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat16)
   return {name: jnp.asarray(a, dtype) for name, a in arrays.items()}
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated"])
-def test_hopper_sampling_equals_the_loop(kind):
-  # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64, V = 1280 (ten
-  # 128-column tiles over 4 instances), γ = 2, bf16, greedy rows and rows at T = 0.5, 1, 2, a
+@pytest.mark.parametrize("kind,batch", [("vanilla", 64), ("gated", 64), ("vanilla", 128)])
+def test_hopper_sampling_equals_the_loop(kind, batch):
+  # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64 (4 stages) and 128
+  # (3 stages), V = 1280 (ten 128-column tiles of two 64-column parts over 4 instances), γ = 2,
+  # bf16, greedy rows and rows at T = 0.5, 1, 2, a
   # confidence head. Rows 0-1 all -inf, rows 2-3 a NaN at column 1100, rows 4-5 an exact tie
   # between columns 70 and 1250 (first and last tile, same bias). Tokens, corrected logits and
   # confidence equal the loop form's bit for bit in the interpreter (a float32 head there: with
   # bf16 operands the interpreter's and XLA's dots may round one logit in 10^4 apart); on a GPU
   # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
   # tokens nearly all).
-  batch, gamma, vocab, rank, hidden = 64, 2, 1280, 64, 6
+  gamma, vocab, rank, hidden = 2, 1280, 64, 6
   arrays = _bf16_head(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
@@ -201,21 +202,24 @@ def test_hopper_sampling_block_law():
                        what="hopper vs 1.15 T")
 
 
-def test_hopper_sampling_rejects_a_batch_shared_memory_cannot_hold():
+def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
+  # 128 rows at r = 256 fit three stages of 64-column parts (`sampling_stages`), not four.
+  assert hopper_step.sampling_stages(128, 256) == 3 and hopper_step.sampling_stages(64, 256) == 4
   arrays = _bf16_head("vanilla", 1280, 256, 3)
   rows = proposal.block_arrays(dj.SamplingParams(temperature=np.ones(128)), np.arange(128),
                                np.zeros(128))
-  with pytest.raises(ValueError, match="^v: 128 rows with r = 256"):
+  with pytest.raises(ValueError, match="^v: 128 rows with r = 256 and 4 stages need"):
     proposal.folded_block(arrays, None, jnp.zeros((128, 2, 1280), jnp.bfloat16), rows["anchor"],
                           None, rows["greedy"], rows["temperature"], rows["seeds"],
                           rows["positions"], jax.random.key(0), kind="vanilla", greedy_only=False,
-                          form="pallas", pallas_options=(("hopper", True),))
+                          form="pallas", pallas_options=(("hopper", True), ("stages", 4)))
 
 
-def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape():
-  # B = 64, r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place.
+@pytest.mark.parametrize("batch", [64, 128])
+def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch):
+  # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place.
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  batch, rank, vocab, gamma = 64, 256, 129280, 7
+  rank, vocab, gamma = 256, 129280, 7
 
   def step(v, w2, base, temperature, greedy, noise):
     corrected = hopper_step.new_corrected(base.shape, base.dtype)
