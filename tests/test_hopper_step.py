@@ -107,7 +107,7 @@ def test_hopper_form_equals_the_loop(kind):
   assert np.all(tokens[0] == 0) and np.all(tokens[1] == 100) and np.all(tokens[2:4] == 70)
 
 
-def _bf16_head(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat16):
+def _head_arrays(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat16):
   arrays = helpers.head_arrays(kind, vocab, rank, hidden, seed=seed, scale=scale)
   return {name: jnp.asarray(a, dtype) for name, a in arrays.items()}
 
@@ -116,15 +116,14 @@ def _bf16_head(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat16)
 def test_hopper_sampling_equals_the_loop(kind, batch):
   # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64 (4 stages) and 128
   # (3 stages), V = 1280 (ten 128-column tiles of two 64-column parts over 4 instances), γ = 2,
-  # bf16, greedy rows and rows at T = 0.5, 1, 2, a
-  # confidence head. Rows 0-1 all -inf, rows 2-3 a NaN at column 1100, rows 4-5 an exact tie
+  # bf16 logits, greedy rows and rows at T = 0.5, 1, 2, a confidence head. Rows 0-1 all -inf, rows 2-3 a NaN at column 1100, rows 4-5 an exact tie
   # between columns 70 and 1250 (first and last tile, same bias). Tokens, corrected logits and
   # confidence equal the loop form's bit for bit in the interpreter (a float32 head there: with
   # bf16 operands the interpreter's and XLA's dots may round one logit in 10^4 apart); on a GPU
   # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
   # tokens nearly all).
   gamma, vocab, rank, hidden = 2, 1280, 64, 6
-  arrays = _bf16_head(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
+  arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
   rng = np.random.default_rng(8)
@@ -179,7 +178,7 @@ def test_hopper_sampling_block_law():
   # pooled) against that enumerated float64 law; threshold p >= 1e-3. Power: the law at 1.15 x the
   # temperature must be rejected (p < 1e-6).
   vocab, gamma, rank, batch, calls, temperature, anchor = 256, 2, 64, 64, 940, 0.9, 3
-  arrays = _bf16_head("vanilla", vocab, rank, 3, seed=5, scale=3.0)
+  arrays = _head_arrays("vanilla", vocab, rank, 3, seed=5, scale=3.0)
   rng = np.random.default_rng(6)
   base = jnp.asarray(rng.normal(0, 2.5, (gamma, vocab)), jnp.bfloat16)
   tokens = []
@@ -205,7 +204,7 @@ def test_hopper_sampling_block_law():
 def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
   # 128 rows at r = 256 fit three stages of 64-column parts (`sampling_stages`), not four.
   assert hopper_step.sampling_stages(128, 256) == 3 and hopper_step.sampling_stages(64, 256) == 4
-  arrays = _bf16_head("vanilla", 1280, 256, 3)
+  arrays = _head_arrays("vanilla", 1280, 256, 3)
   rows = proposal.block_arrays(dj.SamplingParams(temperature=np.ones(128)), np.arange(128),
                                np.zeros(128))
   with pytest.raises(ValueError, match="^v: 128 rows with r = 256 and 4 stages need"):
