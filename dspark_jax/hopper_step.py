@@ -120,6 +120,28 @@ def _first_max(x, col0, interpret):
   return best, jnp.min(jnp.where(at_best, lanes + col0, _NO_TOKEN), axis=1)
 
 
+def _best_over_tiles(per_program, tile_pair):
+  """Each row's best (integer key, token) over the instance's tiles 0 .. per_program - 1, given
+  `tile_pair(i)`: tiles come in column order, so a later tile wins only with a larger key and
+  ties keep the earlier (smaller) token."""
+  def visit(i, carry):
+    best, token = carry
+    tile_key, tile_token = tile_pair(i)
+    later_wins = tile_key > best
+    return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_token, token)
+  return lax.fori_loop(1, per_program, visit, tile_pair(0))
+
+
+def _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, program):
+  """Writes an instance's [B] pairs (keys as float32 values) to row `program` of the outputs."""
+  key_smem[...] = fused_step.key_value(best)
+  token_smem[...] = token
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(key_smem, key_gmem.at[program])
+  plgpu.copy_smem_to_gmem(token_smem, token_gmem.at[program])
+  plgpu.wait_smem_to_gmem(0)
+
+
 @functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "interpret"))
 def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
                     interpret=False):
@@ -171,23 +193,12 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
         return _first_max(logits.astype(jnp.float32), tile_of(i) * tile, interpret)
       return pl.run_scoped(with_accumulator, plgpu.ACC((rows, tile), jnp.float32))
 
-    def visit(i, carry):
-      best, first = carry
-      tile_key, tile_first = tile_best(i)
-      later_wins = tile_key > best  # tiles come in column order: ties keep the earlier column
-      return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_first, first)
-
     plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
     for i in range(min(stages - 1, per_program)):
       fetch(i)
     plgpu.barrier_wait(v_barrier.at[0])
-    best, first = lax.fori_loop(1, per_program, visit, tile_best(0))
-    max_smem[...] = fused_step.key_value(best)
-    arg_smem[...] = first
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(max_smem, max_gmem.at[program])
-    plgpu.copy_smem_to_gmem(arg_smem, arg_gmem.at[program])
-    plgpu.wait_smem_to_gmem(0)
+    best, first = _best_over_tiles(per_program, tile_best)
+    _store_pairs(best, first, max_smem, arg_smem, max_gmem, arg_gmem, program)
 
   itemsize = jnp.dtype(w2.dtype).itemsize
   scratch = [
@@ -343,19 +354,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
     plgpu.barrier_wait(v_barrier.at[0])
     temp, greedy_rows = load_rows(temp_smem), load_rows(greedy_smem)
 
-    def visit(i, carry):
-      best, token = carry
-      tile_key, tile_token = tile_pair(i, temp, greedy_rows)
-      later_wins = tile_key > best  # tiles come in column order: ties keep the earlier tile
-      return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_token, token)
-
-    best, token = lax.fori_loop(1, per_program, visit, tile_pair(0, temp, greedy_rows))
-    key_smem[...] = fused_step.key_value(best)
-    token_smem[...] = token
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(key_smem, key_gmem.at[program])
-    plgpu.copy_smem_to_gmem(token_smem, token_gmem.at[program])
-    plgpu.wait_smem_to_gmem(0)
+    best, token = _best_over_tiles(per_program, lambda i: tile_pair(i, temp, greedy_rows))
+    _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, program)
 
   logits_dtype = base_logits.dtype
   scratch = [
