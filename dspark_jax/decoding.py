@@ -192,12 +192,14 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
       active_rounds=state["active_rounds"] + jnp.sum(active))
 
 
-def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only):
+def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only,
+                       store_logits=True):
   base, hidden = _draft_forward(target, draft, state)
   head, conf, hidden = _draft_inputs(draft, hidden)
   tokens, corrected, _ = proposal.folded_block(
       head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"], rows["seeds"],
-      state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only)
+      state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only,
+      store_logits=store_logits)
   return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
                          greedy_only)
 
@@ -215,7 +217,7 @@ _finish_jit = jax.jit(_finish, static_argnums=1)
 
 
 def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
-                    target_def, draft_def, path, cache_len, out_len):
+                    target_def, draft_def, path, cache_len, out_len, store_logits=True):
   """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
@@ -225,7 +227,8 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
     step = functools.partial(_autoregressive_step, target)
   else:
     step = functools.partial(_speculative_round, target, draft,
-                             greedy_only=path == proposal.PATH_FOLDED_GREEDY)
+                             greedy_only=path == proposal.PATH_FOLDED_GREEDY,
+                             store_logits=store_logits)
   limit = out_len  # every iteration commits at least one token per active row
   state = jax.lax.while_loop(
       lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit),
@@ -258,7 +261,8 @@ def _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, 
   return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key, False)
 
 
-def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len):
+def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len,
+               store_logits=True):
   prompt, prompt_lens, max_new, rows, stop_ids, key = args
   defs = dict(target_def=target_def, draft_def=draft_def)
   state = _eager_prefill(target_state, draft_state, *args, cache_len=cache_len, out_len=out_len,
@@ -267,7 +271,7 @@ def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, 
     base, hidden, head, conf = _eager_draft(target_state, draft_state, state, **defs)
     tokens, corrected, _ = proposal.eager_block(
         head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"],
-        rows["seeds"], state["anchor_pos"], key, kind=kind)
+        rows["seeds"], state["anchor_pos"], key, kind=kind, store_logits=store_logits)
     state = _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows,
                           stop_ids, key, **defs)
   return _finish_jit(state, out_len)
@@ -310,13 +314,15 @@ def _prepare_prompts(prompts, vocab: int) -> tuple[np.ndarray, np.ndarray]:
   return padded, lens
 
 
-def _choose_path(spec, params, draft, batch, vocab, mode, memory_stats, headroom_bytes):
+def _choose_path(spec, params, draft, batch, vocab, mode, memory_stats, headroom_bytes,
+                 store_logits=True):
   if not spec:
     return PATH_AUTOREGRESSIVE, None
   if params.all_greedy():
     return proposal.PATH_FOLDED_GREEDY, None
   mode = memory_gate.resolve_mode(mode)
-  need = memory_gate.sampling_need_bytes(batch, vocab, draft.config.gamma, draft.config.dtype)
+  need = memory_gate.sampling_need_bytes(batch, vocab, draft.config.gamma, draft.config.dtype,
+                                         store_logits=store_logits, rank=draft.head.rank)
   free, source = memory_gate.probe_free_bytes(memory_stats)
   enabled, reason = memory_gate.decide(mode, need, free, headroom_bytes, source)
   if not enabled and mode is memory_gate.FoldedSampling.AUTO:
@@ -328,7 +334,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              key: jax.Array, *, max_new_tokens: int | Sequence[int] = 32,
              stop_token_ids: Sequence[int] | np.ndarray = (), spec: bool = True,
              mode: memory_gate.FoldedSampling | str | None = None, memory_stats=None,
-             headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES) -> GenerateResult:
+             headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
+             store_logits: bool = True) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -342,6 +349,9 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     spec: speculative decoding (default) or the autoregressive baseline.
     mode, memory_stats, headroom_bytes: the memory gate for the folded sampling variant
       (`memory_gate`; used only when the batch has sampled rows).
+    store_logits: False drafts sampled rows without storing their corrected logits
+      (`proposal.CompactLogits`: each token's log q; the verifier recomputes the one row it needs).
+      The same tokens, fewer bytes per round at large batches.
 
   Returns:
     A `GenerateResult`.
@@ -368,7 +378,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
 
   padded_batch = bucket(batch)
   path, _ = _choose_path(spec, params, draft, padded_batch, vocab, mode, memory_stats,
-                         headroom_bytes)
+                         headroom_bytes, store_logits)
   gamma = draft.config.gamma if spec else 0
   out_len = bucket(int(max_new.max()), MIN_BUCKET) + gamma + 1
   cache_len = prompt.shape[1] + out_len + gamma + 1
@@ -386,10 +396,11 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   start = time.perf_counter()
   if path == proposal.PATH_EAGER:
     state = _run_eager(target_state, draft_state, args, target_def=target_def, draft_def=draft_def,
-                       kind=draft.head.kind, cache_len=cache_len, out_len=out_len)
+                       kind=draft.head.kind, cache_len=cache_len, out_len=out_len,
+                       store_logits=store_logits)
   else:
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
-                   out_len=out_len)
+                   out_len=out_len, store_logits=store_logits)
     shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))),
                           (target_state, draft_state, args))
     signature = (str(jax.tree_util.tree_structure(shapes)), str(jax.tree.leaves(shapes)),

@@ -75,6 +75,8 @@ class DraftSampler:
     buckets: the padding bucket sizes.
     decision: the `memory_gate.GateDecision` taken at build time.
     form: the folded programs' form ("auto" or one of `proposal.FORMS`; `proposal.folded_block`).
+    store_logits: sampling blocks carry their corrected logits (True) or a
+      `proposal.CompactLogits` (False).
     compilations: how many programs this sampler has compiled (for compile guards).
   """
 
@@ -88,6 +90,7 @@ class DraftSampler:
   buckets: tuple[int, ...]
   decision: memory_gate.GateDecision | None = None
   form: str = "auto"
+  store_logits: bool = True
   compilations: int = 0
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
   _weights: tuple | None = dataclasses.field(default=None, repr=False)
@@ -126,7 +129,8 @@ class DraftSampler:
     compiled = self._compiled.get(signature)
     if compiled is None:
       compiled = proposal.folded_block.lower(*args, kind=self.head.kind, greedy_only=greedy_only,
-                                             form=self.form).compile()
+                                             form=self.form,
+                                             store_logits=self.store_logits).compile()
       self._compiled[signature] = compiled
       self.compilations += 1
     return compiled
@@ -170,7 +174,8 @@ class DraftSampler:
     all_greedy = params.all_greedy()
     if not all_greedy and not self.folded_sampling:
       return proposal.sample_block_eager(self.head, base_logits, anchor, hidden, params, key,
-                                         positions, confidence_head=self.confidence_head)
+                                         positions, confidence_head=self.confidence_head,
+                                         store_logits=self.store_logits)
 
     bucket = self.bucket_for(batch)
     rows = proposal.block_arrays(params.padded(bucket), _pad_rows(np.asarray(anchor), bucket),
@@ -189,7 +194,10 @@ class DraftSampler:
     greedy, temperature = rows["greedy"], rows["temperature"]
     if bucket != batch:
       tokens, greedy, temperature = tokens[:batch], greedy[:batch], temperature[:batch]
-      corrected = None if corrected is None else corrected[:batch]
+      if isinstance(corrected, proposal.CompactLogits):
+        corrected = corrected.first_rows(batch)
+      elif corrected is not None:
+        corrected = corrected[:batch]
       confidence = None if confidence is None else confidence[:batch]
     return proposal.DraftBlock(
         tokens=tokens, corrected_logits=None if all_greedy else corrected,
@@ -215,7 +223,8 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
                         headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
                         memory_stats=None,
                         confidence_head: heads_lib.ConfidenceHead | None = None,
-                        hidden_size: int | None = None, form: str = "auto") -> DraftSampler:
+                        hidden_size: int | None = None, form: str = "auto",
+                        store_logits: bool = True) -> DraftSampler:
   """Builds a `DraftSampler`: resolves the memory gate and compiles the folded variants once.
 
   Args:
@@ -234,6 +243,9 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
     hidden_size: H, needed only when it cannot be read off the heads.
     form: how the folded programs are written: "auto" (`proposal.choose_form`, per variant),
       "loop", "unrolled" or "pallas" (`proposal.folded_block`); the same law.
+    store_logits: False: sampling blocks keep a `proposal.CompactLogits` (each token's log q and
+      what recomputes the verifier's row) instead of the [B, γ, V] corrected logits; the memory
+      gate then counts that instead.
 
   Returns:
     A `DraftSampler` whose greedy-only variant (and sampling variant, if enabled) is compiled at the
@@ -258,9 +270,10 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       head=head, confidence_head=confidence_head, max_batch_size=max_batch_size,
       vocab_size=vocab_size, gamma=gamma, logits_dtype=logits_dtype,
       hidden_size=_infer_hidden_size(head, confidence_head, hidden_size),
-      buckets=bucket_sizes(max_batch_size), form=form)
+      buckets=bucket_sizes(max_batch_size), form=form, store_logits=store_logits)
 
-  need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype)
+  need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype,
+                                         store_logits=store_logits, rank=head.rank)
   free, source = memory_gate.probe_free_bytes(memory_stats)
   enabled, reason = memory_gate.decide(mode, need, free, headroom_bytes, source)
   compiled_bytes = None

@@ -98,13 +98,16 @@ def _row_first_max(values, indices):
 
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
-             row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws):
+             row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
+             law_refs=None):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
 
   `v` is the [rows] int32 tokens whose ``W1`` rows to gather when `w1_ref` is given (rows past the
-  batch read token 0), else the ref of the [B, r] vectors.
+  batch read token 0), else the ref of the [B, r] vectors. `law_refs`, with `draws` and no
+  `corrected_ref`: the refs of the [B, V/c] outputs to write the tile's log-mass and its draw's
+  corrected logit into (the draft law without the logits, `step_stats(store_logits=False)`).
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -148,8 +151,9 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   key, token = _row_first_max(x, columns)
   if noise_ref is not None:  # sampled rows keep (score, draw or first column) (`tile_choices`)
     temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
-    score = sampling.tile_log_mass(x, key, temperature) + plgpu.load(
-        noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
+    log_mass = sampling.tile_log_mass(x, key, temperature)
+    score = log_mass + plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid,
+                                  other=0.0)
     if draws:  # the token this tile would give if chosen
       inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
                          mask=in_batch, other=0.0)
@@ -157,22 +161,30 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
     else:  # XLA draws inside the chosen tile (`sampling.tokens_in_chosen_tiles`)
       sampled = jnp.full((rows,), col0, jnp.int32)
     greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
+    if law_refs is not None:  # the draft law without the logits: the tile's log-mass, the draw's logit
+      mass_ref, logit_ref = law_refs
+      mass_ref[row_slice, j] = log_mass
+      # one nonzero term: exact, and a NaN or -inf logit passes through
+      logit_ref[row_slice, j] = jnp.sum(jnp.where(columns == sampled[:, None], x, 0.0), axis=1)
     key = jnp.where(greedy, key, score)
     token = jnp.where(greedy, token, sampled)
   return key, token
 
 
-def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, reverse, **static):
+def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_program, reverse,
+            **static):
   refs = list(refs)
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
   w2_ref, base_ref, temp_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  noise_ref = greedy_ref = corrected_ref = None
+  noise_ref = greedy_ref = corrected_ref = law_refs = None
   if greedy_only:
     key_ref, token_ref = refs
-  else:  # an aliased corrected input may come before the outputs
+  elif store_logits:  # an aliased corrected input may come before the outputs
     noise_ref, greedy_ref = refs.pop(0), refs.pop(0)
     corrected_ref, key_ref, token_ref = refs[-3:]
+  else:
+    noise_ref, greedy_ref, key_ref, token_ref, *law_refs = refs
   block, group = pl.program_id(0), pl.program_id(1)
   if reverse:  # instances start in program order: the last tiles first
     group = pl.num_programs(1) - 1 - group
@@ -185,7 +197,8 @@ def _kernel(*refs, gathers, greedy_only, draws, tiles, tiles_per_program, revers
 
   def run(j):
     key, token = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
-                          corrected_ref, row0=block * rows, draws=draws, tiles=tiles, **static)
+                          corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
+                          law_refs=law_refs, **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token
@@ -216,16 +229,18 @@ class StepStats(NamedTuple):
   tile_key: jax.Array           # f32: the tile's max; a sampled row's score
   tile_token: jax.Array         # int32 column: the tile's first argmax; a sampled row's draw, or
                                 # the tile's first column without draws
+  tile_log_mass: jax.Array | None = None  # f32 logsumexp(corrected[tile] / T) (store_logits=False)
+  tile_draw_logit: jax.Array | None = None  # f32 the corrected logit at the tile's draw (same)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "serpentine", "cache_hints", "late_base",
-                                             "interpret"))
+                                             "store_logits", "interpret"))
 def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
                greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
                tiles_per_program=1, serpentine=True, cache_hints=True, late_base=None,
-               interpret=False) -> StepStats:
+               store_logits=True, interpret=False) -> StepStats:
   """Runs the kernel for block position `step`.
 
   Args:
@@ -256,6 +271,9 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     late_base: load the U_k tile after the rank loop, not before (None: only for the sampling
       variant without draws, where it measured faster on an H200: the tile then does not hold
       registers through the loop, 128 registers per thread instead of 204 at 64 rows).
+    store_logits: sampling variant with `draws`: False writes no corrected logits (`corrected` is
+      ignored) but, per row and tile, the tile's log-mass and its draw's corrected logit, from which
+      the caller forms ``log q(x)`` of the row's token (`proposal.CompactLogits`).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
@@ -273,6 +291,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     raise ValueError("noise: the sampling variant needs every step's tile noise")
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
+  store_logits = store_logits or greedy_only
+  if not (store_logits or draws):
+    raise ValueError("draws: store_logits=False needs the tiles' draws (there are no logits to "
+                     "draw from afterwards)")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None
@@ -286,6 +308,9 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   aliases = {}
   if not greedy_only:
     inputs += [noise, greedy.astype(jnp.int32)]
+  if not store_logits:
+    out_shape += [stat(jnp.float32), stat(jnp.float32)]
+  elif not greedy_only:
     out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape]
     if corrected is not None:
       inputs.append(corrected)
@@ -295,7 +320,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
                                              ("num_stages", num_stages)) if value}
   outs = pl.pallas_call(
       functools.partial(_kernel, gathers=w1 is not None, greedy_only=greedy_only, draws=draws,
-                        step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
+                        store_logits=store_logits, step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
                         tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints,
                         late_base=late_base),
@@ -310,4 +335,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   cut = lambda x: x[:batch]
   if greedy_only:
     return StepStats(None, cut(outs[0]), cut(outs[1]))
+  if not store_logits:
+    return StepStats(None, *map(cut, outs))
   return StepStats(outs[0], cut(outs[1]), cut(outs[2]))

@@ -87,11 +87,14 @@ def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Arr
     ``(bias [B, V] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
   """
   v, e, state = markov_vector(kind, params, prev_tokens, hidden, state)
-  w2 = params["w2"]
+  return markov_bias(params["w2"], v), e, state
+
+
+def markov_bias(w2: jax.Array, v: jax.Array) -> jax.Array:
+  """``bias = v @ W2``: [B, V] float32 from [B, r] vectors (cast to W2's dtype first) and [r, V]."""
   # float32 weights get full-precision products (no TF32); 16-bit weights stream as they are.
   precision = _HIGHEST if w2.dtype == jnp.float32 else None
-  bias = jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=precision)
-  return bias, e, state
+  return jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=precision)
 
 
 def confidence_step(params: Mapping[str, jax.Array], hidden: jax.Array, e: jax.Array,

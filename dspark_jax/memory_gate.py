@@ -67,10 +67,17 @@ def resolve_mode(mode: "FoldedSampling | str | None" = None,
     raise ValueError(f"{source}: expected one of off|auto|force (any case), got {mode!r}") from None
 
 
-def sampling_need_bytes(max_batch_size: int, vocab_size: int, gamma: int, logits_dtype) -> int:
-  """SPEC §5's estimate: float32 noise [max_bs, V] + corrected logits [max_bs, γ, V]."""
+def sampling_need_bytes(max_batch_size: int, vocab_size: int, gamma: int, logits_dtype, *,
+                        store_logits: bool = True, rank: int = 0) -> int:
+  """SPEC §5's estimate: float32 noise [max_bs, V] + corrected logits [max_bs, γ, V].
+
+  With ``store_logits=False`` (`proposal.CompactLogits`) the logits term becomes what the block
+  keeps instead: float32 log q [max_bs, γ] and the head's vectors [max_bs, γ, `rank`] (counted at
+  the logits' itemsize).
+  """
   itemsize = np.dtype(logits_dtype).itemsize
-  return max_batch_size * vocab_size * 4 + max_batch_size * gamma * vocab_size * itemsize
+  kept = vocab_size * itemsize if store_logits else 4 + rank * itemsize
+  return max_batch_size * vocab_size * 4 + max_batch_size * gamma * kept
 
 
 def free_bytes_from_stats(stats: Mapping[str, Any] | None) -> int | None:

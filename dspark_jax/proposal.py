@@ -85,13 +85,89 @@ def choose_form(greedy_only: bool, vocab: int, platform: str | None = None) -> s
 
 
 @struct.dataclass
+class CompactLogits:
+  """A sampling block's draft law without its [B, γ, V] corrected logits (``store_logits=False``).
+
+  Verification reads the corrected logits twice: ``q_k(x_k)`` of every drafted token, and the whole
+  row ``q_j`` at a row's first rejection j. This keeps the first, ``log q_k(x_k)``, and what
+  recomputes any row: the head's vectors ``v_k`` (``bias_k = v_k @ W2``), the base logits and W2,
+  with the arithmetic that drafted the block (`kernel`), so a recomputed row equals the row the
+  token was drawn from bit for bit. Per step the block then writes B floats instead of B·V logits
+  (a third of the floor's bytes at B = 128), and the verifier reads W2 once more per round.
+
+  Attributes:
+    token_log_q: [B, γ] float32 ``log softmax(corrected_k / T)[x_k]`` (a greedy row's: unused).
+    vectors: [B, γ, r] the head's vectors in W2's dtype.
+    base_logits: [B, γ, V] the backbone's logits the block was drafted from.
+    w2: [r, V] the head's second matrix.
+    kernel: static: None for XLA's arithmetic (forms "loop" and "unrolled", and the eager path),
+      else the `fused_step` kernel settings, ``((name, value), ...)``, of the "pallas" form.
+    drafted_rows: static: the batch the block was drafted at, when it had more (padding) rows:
+      rows are recomputed at that size, so that the product is summed as it was.
+  """
+
+  token_log_q: jax.Array
+  vectors: jax.Array
+  base_logits: jax.Array
+  w2: jax.Array
+  kernel: tuple | None = struct.field(pytree_node=False, default=None)
+  drafted_rows: int | None = struct.field(pytree_node=False, default=None)
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    """[B, γ, V], the shape of the corrected logits this stands in for."""
+    return tuple(self.base_logits.shape)
+
+  def rows(self, position: jax.Array) -> jax.Array:
+    """[B, V] row b's corrected logits at block position ``position[b]`` (0-based), in the logits
+    dtype: bit for bit the values its token was drawn from."""
+    batch = self.shape[0]
+    pad = max((self.drafted_rows or batch) - batch, 0)
+    take = lambda x: jnp.pad(jnp.take_along_axis(x, position[:, None, None], axis=1)[:, 0],
+                             ((0, pad), (0, 0)))
+    return corrected_rows(take(self.vectors), take(self.base_logits), self.w2, self.kernel)[:batch]
+
+  def first_rows(self, n: int) -> CompactLogits:
+    """The first `n` rows (a padded block's real ones), still recomputed at the drafted size."""
+    cut = lambda x: x[:n]
+    return self.replace(token_log_q=cut(self.token_log_q), vectors=cut(self.vectors),
+                        base_logits=cut(self.base_logits),
+                        drafted_rows=self.drafted_rows or self.shape[0])
+
+  def dense(self) -> jax.Array:
+    """[B, γ, V] all the corrected logits (tests and inspection; the point is not to need them)."""
+    batch, gamma, _ = self.shape
+    return jnp.stack([self.rows(jnp.full((batch,), k, jnp.int32)) for k in range(gamma)], axis=1)
+
+
+def corrected_rows(v: jax.Array, base: jax.Array, w2: jax.Array, kernel: tuple | None) -> jax.Array:
+  """``round(base + v @ W2)`` [B, V] in `base`'s dtype, by the arithmetic a block was drafted with.
+
+  Args:
+    v: [B, r] vectors in W2's dtype. base: [B, V] base logits. w2: [r, V].
+    kernel: None (XLA: the folded loop's and the eager path's step) or the "pallas" form's
+      `fused_step` settings: the same kernel then sums ``v @ W2`` in the same order.
+  """
+  if kernel is None:
+    return _rounded_logits(base, heads_lib.markov_bias(w2, v)).astype(base.dtype)
+  batch, vocab = base.shape
+  tiles = vocab // sampling.vocab_tile(vocab)
+  stats = fused_step.step_stats(
+      v, w2, base[:, None], jnp.ones((batch,), jnp.float32),
+      jnp.zeros((1, batch, tiles + vocab // tiles), jnp.float32), None,
+      greedy=jnp.zeros((batch,), jnp.int32), step=0, greedy_only=False, draws=True,
+      interpret=jax.default_backend() == "cpu", **dict(kernel))
+  return stats.corrected[:, 0]
+
+
+@struct.dataclass
 class DraftBlock:
   """A proposed block of γ draft tokens per row.
 
   Attributes:
     tokens: [B, γ] int32 draft tokens x_1..x_γ.
-    corrected_logits: [B, γ, V] corrected logits (before temperature) in the base logits' dtype, or
-      None on the greedy-only path.
+    corrected_logits: [B, γ, V] corrected logits (before temperature) in the base logits' dtype; a
+      `CompactLogits` in their place (``store_logits=False``); or None on the greedy-only path.
     greedy_mask: [B] bool, rows drafted by argmax.
     temperatures: [B] float32 draft temperatures (clamped >= 1e-5).
     confidence: [B, γ] float32 confidence per position, or None without a confidence head.
@@ -114,31 +190,43 @@ def _round_to(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def _rounded_logits(base_k, bias):
+  """``U_k + bias`` rounded to the logits dtype, as float32 [B, V] (the values a step samples from)."""
+  # Round *before* sampling, so the tokens come from exactly the values we emit. reduce_precision
+  # rather than a convert pair: XLA (allowing excess precision, its default on GPU) may delete
+  # convert(convert(x, bf16), f32) and sample from the unrounded float32 sum.
+  return _round_to(base_k.astype(jnp.float32) + bias, base_k.dtype)
+
+
 def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
-                greedy, temperature, seeds, positions, key):
+                greedy, temperature, seeds, positions, key, store_logits=True):
   """One position of the block: bias, correct, round to the logits dtype, sample, confidence.
 
-  Returns ``(tokens [B] int32, new_state [B, r], corrected [B, V] logits dtype, confidence [B] | None)``.
+  Returns ``(tokens [B] int32, new_state [B, r], law, confidence [B] | None)``: `law` is the
+  corrected logits [B, V] in the logits dtype, or with ``store_logits=False`` the pair
+  ``(v [B, r] in W2's dtype, log q(token) [B] float32)`` `CompactLogits` keeps.
   """
-  bias, e, state = heads_lib.markov_step(kind, head_params, prev, hidden_k, state)
-  # Round to the logits dtype *before* sampling, so the tokens come from exactly the values we emit.
-  # reduce_precision rather than a convert pair: XLA (allowing excess precision, its default on GPU)
-  # may delete convert(convert(x, bf16), f32) and sample from the unrounded float32 sum.
-  rounded = _round_to(base_k.astype(jnp.float32) + bias, base_k.dtype)
-  corrected = rounded.astype(base_k.dtype)  # exact: `rounded` is representable
+  v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+  rounded = _rounded_logits(base_k, heads_lib.markov_bias(head_params["w2"], v))
   if greedy_only:
     tokens = sampling.greedy_tokens(rounded)
   else:
     keys = sampling.row_keys(key, seeds, positions + k + 1, sampling.Stream.DRAFT)
     tokens = sampling.sample_tokens(rounded, greedy, temperature, keys)
+  if store_logits or greedy_only:
+    law = rounded.astype(base_k.dtype)  # exact: `rounded` is representable
+  else:  # the verifier's log q, from the same values
+    log_q = jax.nn.log_softmax(rounded / temperature[:, None], axis=-1)
+    law = (v.astype(head_params["w2"].dtype),
+           jnp.take_along_axis(log_q, tokens[:, None], axis=1)[:, 0])
   confidence = None
   if conf_params is not None:
     confidence = heads_lib.confidence_step(conf_params, hidden_k, e, k)
-  return tokens, state, corrected, confidence
+  return tokens, state, law, confidence
 
 
 def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy, temperature,
-                  seeds, positions, key, greedy_only, pallas_options):
+                  seeds, positions, key, greedy_only, pallas_options, store_logits=True):
   """The γ steps unrolled: per step one `fused_step` kernel, then the token choice in XLA.
 
   A vanilla head without a confidence head has its ``W1[x_prev]`` gathered inside the kernel
@@ -161,6 +249,10 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   128 rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
   kernel settings are given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
   takes it only when asked (its first form was not faster; the present one is not yet timed).
+
+  ``store_logits=False`` (sampling variant, the per-step Triton kernel only) writes no corrected
+  logits: every tile draws its token in the kernel and writes its log-mass and its draw's logit
+  instead, from which XLA forms the token's ``log q``; returns a `CompactLogits`.
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
@@ -168,18 +260,25 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   interpret = jax.default_backend() == "cpu"
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
-  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
+  compact = not (store_logits or greedy_only)  # no logits to draw from afterwards: tiles draw
+  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH or compact)
   # Settings for the Triton kernel (rows, warps, ...) keep it, unless hopper is asked for.
   hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
                        and hopper_by_default(batch, vocab, head_params["w2"].dtype,
                                              base_logits.dtype))
   hopper_settings = {"tile", "stages", "programs"} if greedy_only else {"stages", "programs"}
+  if compact and (hopper or persistent):
+    raise ValueError(f"pallas_options: {'hopper' if hopper else 'persistent'} does not take "
+                     "store_logits=False (the per-step Triton kernel does)")
+  if compact and not draws:
+    raise ValueError("pallas_options: draws=False needs the stored logits to draw from; "
+                     "store_logits=False draws in the kernel")
   if hopper and set(options) - hopper_settings:
     raise ValueError(f"pallas_options: {sorted(set(options) - hopper_settings)[0]!r} is not a "
                      f"setting of the hopper kernel (it takes {sorted(hopper_settings)})")
-  prev = anchor.astype(jnp.int32)
+  prev = prev_of_block = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
-  corrected, tokens, confidence = None, [], []
+  corrected, tokens, confidence, vectors, log_q = None, [], [], [], []
   noise, greedy_rows = None, greedy.astype(jnp.int32)  # converted once, not per step
   if not greedy_only:  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
@@ -227,23 +326,48 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     stats = fused_step.step_stats(
         head_input, head_params["w2"], base_logits, temperature, noise, corrected,
         greedy=greedy_rows, w1=w1, step=k, greedy_only=greedy_only, draws=draws,
-        interpret=interpret, **options)
+        store_logits=not compact, interpret=interpret, **options)
     corrected = stats.corrected
     prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
     if not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
       prev = sampling.tokens_in_chosen_tiles(corrected, prev, greedy, temperature, noise[k], step=k)
+    if compact:  # log q(x) = L[x] / T - logsumexp over the tiles; x lies in tile x // c
+      logit = jnp.take_along_axis(stats.tile_draw_logit, prev[:, None] // tile, axis=1)[:, 0]
+      log_q.append(logit / temperature - jax.nn.logsumexp(stats.tile_log_mass, axis=1))
+      if not w1_in_kernel:
+        vectors.append(head_input.astype(head_params["w2"].dtype))
     tokens.append(prev)
     if conf_params is not None:
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
   if hopper and not greedy_only:
     corrected = jax.freeze(corrected_ref)
-  return (jnp.stack(tokens, axis=1), corrected,
-          None if conf_params is None else jnp.stack(confidence, axis=1))
+  tokens = jnp.stack(tokens, axis=1)
+  if compact:
+    w2 = head_params["w2"]
+    if w1_in_kernel:  # the kernel gathered v_k = W1[x_{k-1}]: the same rows, once for the block
+      prevs = jnp.concatenate([prev_of_block[:, None], tokens[:, :-1]], axis=1)
+      vectors = jnp.take(head_params["w1"], prevs, axis=0).astype(w2.dtype)
+    else:
+      vectors = jnp.stack(vectors, axis=1)
+    # The row block enters the kernel's summation: recompute with the drafted one.
+    kernel = dict(options, rows=options.get("rows") or fused_step.row_block(batch))
+    corrected = CompactLogits(token_log_q=jnp.stack(log_q, axis=1), vectors=vectors,
+                              base_logits=base_logits, w2=w2, kernel=tuple(sorted(kernel.items())))
+  return tokens, corrected, None if conf_params is None else jnp.stack(confidence, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "form", "pallas_options"))
+def _compact(head_params, base_logits, law_per_step, kernel=None):
+  """`CompactLogits` from the steps' ``(v_k, log q_k)`` pairs."""
+  vectors, log_q = zip(*law_per_step)
+  return CompactLogits(token_log_q=jnp.stack(log_q, axis=1), vectors=jnp.stack(vectors, axis=1),
+                       base_logits=base_logits, w2=head_params["w2"], kernel=kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "form", "pallas_options",
+                                             "store_logits"))
 def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
-                 positions, key, *, kind, greedy_only, form="auto", pallas_options=()):
+                 positions, key, *, kind, greedy_only, form="auto", pallas_options=(),
+                 store_logits=True):
   """The folded γ-step loop as one program; arrays only (see `sample_block` for the meaning).
 
   `form` (static): ``"auto"`` (`choose_form`) or one of `FORMS`. ``"loop"`` runs a `lax.fori_loop`
@@ -257,8 +381,10 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
   default for greedy-only `hopper_by_default`, i.e. from 128 rows on a Hopper GPU, else off).
+  `store_logits` (static, sampling variant): False returns a `CompactLogits` instead of the
+  corrected logits.
 
-  Returns ``(tokens [B, γ], corrected [B, γ, V] | None, confidence [B, γ] | None)``.
+  Returns ``(tokens [B, γ], corrected [B, γ, V] | CompactLogits | None, confidence [B, γ] | None)``.
   """
   if form == "auto":
     form = choose_form(greedy_only, base_logits.shape[2])
@@ -266,27 +392,37 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
     raise ValueError(f"form: expected \"auto\" or one of {FORMS}, got {form!r}")
   if form == "pallas":
     return _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy,
-                         temperature, seeds, positions, key, greedy_only, pallas_options)
+                         temperature, seeds, positions, key, greedy_only, pallas_options,
+                         store_logits)
   batch, gamma, vocab = base_logits.shape
   rank = head_params["w1"].shape[1]
+  compact = not (store_logits or greedy_only)
   if form == "unrolled":
     prev, state = anchor.astype(jnp.int32), jnp.zeros((batch, rank), jnp.float32)
     outputs = []
     for k in range(gamma):
-      prev, state, corrected, confidence = _block_step(
+      prev, state, law, confidence = _block_step(
           kind, head_params, conf_params, greedy_only, k, prev, state, base_logits[:, k],
-          None if hidden is None else hidden[:, k], greedy, temperature, seeds, positions, key)
-      outputs.append((prev, corrected, confidence))
-    tokens, corrected, confidence = zip(*outputs)
-    return (jnp.stack(tokens, axis=1),
-            None if greedy_only else jnp.stack(corrected, axis=1),
+          None if hidden is None else hidden[:, k], greedy, temperature, seeds, positions, key,
+          store_logits)
+      outputs.append((prev, law, confidence))
+    tokens, laws, confidence = zip(*outputs)
+    if greedy_only:
+      corrected = None
+    else:
+      corrected = (_compact(head_params, base_logits, laws) if compact
+                   else jnp.stack(laws, axis=1))
+    return (jnp.stack(tokens, axis=1), corrected,
             None if conf_params is None else jnp.stack(confidence, axis=1))
   carry = {
       "prev": anchor.astype(jnp.int32),
       "state": jnp.zeros((batch, rank), jnp.float32),
       "tokens": jnp.zeros((batch, gamma), jnp.int32),
   }
-  if not greedy_only:
+  if compact:
+    carry["vectors"] = jnp.zeros((batch, gamma, rank), head_params["w2"].dtype)
+    carry["log_q"] = jnp.zeros((batch, gamma), jnp.float32)
+  elif not greedy_only:
     carry["corrected"] = jnp.zeros((batch, gamma, vocab), base_logits.dtype)
   if conf_params is not None:
     carry["confidence"] = jnp.zeros((batch, gamma), jnp.float32)
@@ -295,48 +431,60 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
     base_k = jax.lax.dynamic_index_in_dim(base_logits, k, axis=1, keepdims=False)
     hidden_k = (None if hidden is None
                 else jax.lax.dynamic_index_in_dim(hidden, k, axis=1, keepdims=False))
-    tokens, state, corrected, confidence = _block_step(
+    tokens, state, law, confidence = _block_step(
         kind, head_params, conf_params, greedy_only, k, carry["prev"], carry["state"], base_k,
-        hidden_k, greedy, temperature, seeds, positions, key)
+        hidden_k, greedy, temperature, seeds, positions, key, store_logits)
     out = dict(carry, prev=tokens, state=state)
-    out["tokens"] = jax.lax.dynamic_update_index_in_dim(carry["tokens"], tokens, k, axis=1)
+    put = lambda name, value: jax.lax.dynamic_update_index_in_dim(carry[name], value, k, axis=1)
+    out["tokens"] = put("tokens", tokens)
     if "corrected" in carry:
-      out["corrected"] = jax.lax.dynamic_update_index_in_dim(carry["corrected"], corrected, k, 1)
+      out["corrected"] = put("corrected", law)
+    if compact:
+      out["vectors"], out["log_q"] = put("vectors", law[0]), put("log_q", law[1])
     if "confidence" in carry:
-      out["confidence"] = jax.lax.dynamic_update_index_in_dim(carry["confidence"], confidence, k, 1)
+      out["confidence"] = put("confidence", confidence)
     return out
 
   carry = jax.lax.fori_loop(0, gamma, body, carry)
-  return carry["tokens"], carry.get("corrected"), carry.get("confidence")
+  corrected = carry.get("corrected")
+  if compact:
+    corrected = CompactLogits(token_log_q=carry["log_q"], vectors=carry["vectors"],
+                              base_logits=base_logits, w2=head_params["w2"])
+  return carry["tokens"], corrected, carry.get("confidence")
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "greedy_only"))
+@functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "store_logits"))
 def _eager_step(head_params, conf_params, k, prev, state, base_logits, hidden, greedy, temperature,
-                seeds, positions, key, *, kind, greedy_only):
+                seeds, positions, key, *, kind, greedy_only, store_logits=True):
   # Slicing inside the compiled step saves two host dispatches per step.
   base_k = jax.lax.dynamic_index_in_dim(base_logits, k, axis=1, keepdims=False)
   hidden_k = (None if hidden is None
               else jax.lax.dynamic_index_in_dim(hidden, k, axis=1, keepdims=False))
   return _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, base_k, hidden_k,
-                     greedy, temperature, seeds, positions, key)
+                     greedy, temperature, seeds, positions, key, store_logits)
 
 
 def eager_block(head_params, conf_params, base_logits, anchor, hidden, greedy, temperature, seeds,
-                positions, key, *, kind, greedy_only=False):
+                positions, key, *, kind, greedy_only=False, store_logits=True):
   """The same loop step by step from Python (one compiled step, called γ times)."""
   batch, gamma, _ = base_logits.shape
   prev = jnp.asarray(anchor, jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
-  tokens, corrected, confidence = [], [], []
+  tokens, laws, confidence = [], [], []
   for k in range(gamma):
-    prev, state, corrected_k, confidence_k = _eager_step(
+    prev, state, law, confidence_k = _eager_step(
         head_params, conf_params, np.int32(k), prev, state, base_logits, hidden, greedy,
-        temperature, seeds, positions, key, kind=kind, greedy_only=greedy_only)
+        temperature, seeds, positions, key, kind=kind, greedy_only=greedy_only,
+        store_logits=store_logits)
     tokens.append(prev)
-    corrected.append(corrected_k)
+    laws.append(law)
     confidence.append(confidence_k)
-  return (jnp.stack(tokens, axis=1),
-          None if greedy_only else jnp.stack(corrected, axis=1),
+  if greedy_only:
+    corrected = None
+  else:
+    corrected = (jnp.stack(laws, axis=1) if store_logits
+                 else _compact(head_params, jnp.asarray(base_logits), laws))
+  return (jnp.stack(tokens, axis=1), corrected,
           None if conf_params is None else jnp.stack(confidence, axis=1))
 
 
@@ -394,14 +542,14 @@ def block_arrays(params: sp.SamplingParams, anchor, positions) -> dict[str, Any]
 
 
 def _run(runner, path, head, base_logits, anchor, hidden, params, key, positions, confidence_head,
-         greedy_only):
+         greedy_only, store_logits):
   check_block_inputs(head, base_logits, anchor, hidden, params, positions, confidence_head)
   rows = block_arrays(params, anchor, positions)
   conf_params = None if confidence_head is None else confidence_head.arrays()
   tokens, corrected, confidence = runner(
       head.arrays(), conf_params, base_logits, rows["anchor"], hidden, rows["greedy"],
       rows["temperature"], rows["seeds"], rows["positions"], key, kind=head.kind,
-      greedy_only=greedy_only)
+      greedy_only=greedy_only, store_logits=store_logits)
   return DraftBlock(tokens=tokens, corrected_logits=corrected, greedy_mask=rows["greedy"],
                     temperatures=rows["temperature"], confidence=confidence, path=path)
 
@@ -409,7 +557,7 @@ def _run(runner, path, head, base_logits, anchor, hidden, params, key, positions
 def sample_block(head: heads_lib.MarkovHead, base_logits: jax.Array, anchor: jax.Array,
                  hidden: jax.Array | None, params: sp.SamplingParams, key: jax.Array,
                  positions: jax.Array, *, confidence_head: heads_lib.ConfidenceHead | None = None,
-                 greedy_only: bool = False) -> DraftBlock:
+                 greedy_only: bool = False, store_logits: bool = True) -> DraftBlock:
   """Samples a draft block with the folded (single compiled program) loop.
 
   Args:
@@ -422,18 +570,22 @@ def sample_block(head: heads_lib.MarkovHead, base_logits: jax.Array, anchor: jax
     positions: [B] int absolute position of each anchor; draft token k sits at ``positions + k``.
     confidence_head: optional; fills ``DraftBlock.confidence``.
     greedy_only: argmax on every row and do not emit corrected logits.
+    store_logits: False keeps a `CompactLogits` in ``corrected_logits`` instead of the [B, γ, V]
+      logits: each token's ``log q`` and what recomputes the one row the verifier needs.
 
   Returns:
     A `DraftBlock`.
   """
   return _run(folded_block, PATH_FOLDED_GREEDY if greedy_only else PATH_FOLDED_SAMPLING, head,
-              base_logits, anchor, hidden, params, key, positions, confidence_head, greedy_only)
+              base_logits, anchor, hidden, params, key, positions, confidence_head, greedy_only,
+              store_logits)
 
 
 def sample_block_eager(head: heads_lib.MarkovHead, base_logits: jax.Array, anchor: jax.Array,
                        hidden: jax.Array | None, params: sp.SamplingParams, key: jax.Array,
                        positions: jax.Array, *,
-                       confidence_head: heads_lib.ConfidenceHead | None = None) -> DraftBlock:
+                       confidence_head: heads_lib.ConfidenceHead | None = None,
+                       store_logits: bool = True) -> DraftBlock:
   """Same contract as `sample_block` (sampling variant), run step by step from Python."""
   return _run(eager_block, PATH_EAGER, head, base_logits, anchor, hidden, params, key, positions,
-              confidence_head, False)
+              confidence_head, False, store_logits)

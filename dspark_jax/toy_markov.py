@@ -103,7 +103,7 @@ class DecodeTrace:
 def speculative_decode(pair: ToyPair, params: sp.SamplingParams, key: jax.Array, start: int,
                        length: int, *, first_position: int | np.ndarray = 0,
                        verify_lens: np.ndarray | Callable[[int], np.ndarray] | None = None,
-                       stop_token_ids=(), greedy_only: bool = False,
+                       stop_token_ids=(), greedy_only: bool = False, store_logits: bool = True,
                        block_hook: Callable[[proposal.DraftBlock, np.ndarray],
                                             proposal.DraftBlock] | None = None
                        ) -> DecodeTrace:
@@ -119,6 +119,7 @@ def speculative_decode(pair: ToyPair, params: sp.SamplingParams, key: jax.Array,
     verify_lens: [N] verify lengths (1..γ+1) used every round, a function round -> [N], or None.
     stop_token_ids: passed to `verification.verify`.
     greedy_only: propose with the greedy-only variant (every row must be greedy).
+    store_logits: False proposes `proposal.CompactLogits` blocks (no stored corrected logits).
     block_hook: ``hook(block, anchor) -> block`` applied to each proposed block before verification
       (mutation tests: a deliberately wrong verifier must be caught).
 
@@ -140,7 +141,7 @@ def speculative_decode(pair: ToyPair, params: sp.SamplingParams, key: jax.Array,
     lens = verify_lens(round_index) if callable(verify_lens) else verify_lens
     lens = np.full(n, gamma + 1, np.int32) if lens is None else np.asarray(lens, np.int32)
     block = proposal.sample_block(pair.head, draft_base[anchor], anchor, None, params, key,
-                                  position, greedy_only=greedy_only)
+                                  position, greedy_only=greedy_only, store_logits=store_logits)
     if block_hook is not None:
       block = block_hook(block, anchor)
     verify_inputs = jnp.concatenate([jnp.asarray(anchor)[:, None], block.tokens], axis=1)

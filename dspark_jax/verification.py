@@ -8,7 +8,9 @@ at the γ + 1 verify positions (row j = the target's distribution after the anch
   ``x_k == pred_{k-1}``; the bonus is ``pred`` at the first mismatch (or after the last draft).
 * **sampled rows**: ``p_j`` is the target law of the row (`target_law`: temperature, top-k, top-p);
   ``q_j = softmax(corrected_j / T_draft)`` is the law the draft *really* sampled from (the block's
-  emitted corrected logits). Draft k is accepted iff ``u_k · q(x_k) < p(x_k)``, left to right, stopping
+  emitted corrected logits; or, from a block drafted with ``store_logits=False``, ``q(x_k)`` as the
+  draft computed it and the one row ``q_j`` at the first rejection recomputed bit for bit,
+  `proposal.CompactLogits`). Draft k is accepted iff ``u_k · q(x_k) < p(x_k)``, left to right, stopping
   at the first rejection j; the bonus is drawn from ``normalise(max(p_j - q_j, 0))`` (from ``p_j`` when
   that mass is 0), or from ``p_γ`` when every draft was accepted. This is the speculative sampling
   rule, so each committed token is an exact sample of the target law given the tokens before it.
@@ -107,7 +109,8 @@ def verify_arrays(target_logits, tokens, corrected, draft_temperature, greedy, t
   """The compiled verification; arrays only, no checks (see `verify` for the meaning).
 
   Args:
-    target_logits: [B, γ+1, V]. tokens: [B, γ] int32. corrected: [B, γ, V] or None (greedy_only).
+    target_logits: [B, γ+1, V]. tokens: [B, γ] int32. corrected: [B, γ, V], a
+      `proposal.CompactLogits` (row q_j recomputed at the first rejection), or None (greedy_only).
     draft_temperature, temperature, top_p: [B] float32. greedy: [B] bool. top_k: [B] int32.
     seeds: [B] uint32. positions, verify_lens: [B] int32. stop_ids: [B, S] int32 (-1 = none).
     key: base PRNG key. greedy_only: every row is greedy; `corrected` is not read.
@@ -120,12 +123,18 @@ def verify_arrays(target_logits, tokens, corrected, draft_temperature, greedy, t
   pred = sampling.greedy_tokens(target_logits.reshape(batch * (gamma + 1), vocab))
   pred = pred.reshape(batch, gamma + 1)
   accepted = tokens == pred[:, :gamma]
+  compact = isinstance(corrected, proposal.CompactLogits)
   if not greedy_only:
     log_p = target_law.target_log_probs(target_logits, temperature, top_k, top_p)  # [B, γ+1, V]
-    log_q = jax.nn.log_softmax(
-        corrected.astype(jnp.float32) / draft_temperature[:, None, None], axis=-1)   # [B, γ, V]
+    draft_log_q = lambda logits: jax.nn.log_softmax(
+        logits.astype(jnp.float32) / jnp.expand_dims(draft_temperature, range(1, logits.ndim)),
+        axis=-1)
     p_x = jnp.exp(jnp.take_along_axis(log_p[:, :gamma], tokens[..., None], axis=2)[..., 0])
-    q_x = jnp.exp(jnp.take_along_axis(log_q, tokens[..., None], axis=2)[..., 0])
+    if compact:  # the draft kept log q(x_k); one row is recomputed below
+      q_x = jnp.exp(corrected.token_log_q)
+    else:
+      log_q = draft_log_q(corrected)                                               # [B, γ, V]
+      q_x = jnp.exp(jnp.take_along_axis(log_q, tokens[..., None], axis=2)[..., 0])
     sampled_accepted = _uniforms(key, seeds, positions, gamma) * q_x < p_x
     accepted = jnp.where(greedy[:, None], accepted, sampled_accepted)
 
@@ -136,8 +145,10 @@ def verify_arrays(target_logits, tokens, corrected, draft_temperature, greedy, t
   if not greedy_only:
     row_p = _take(log_p, accept_len, 1)                                     # [B, V]
     all_accepted = accept_len == gamma
+    rejected_at = jnp.minimum(accept_len, gamma - 1)
     row_q = jnp.where(all_accepted[:, None], -jnp.inf,
-                      _take(log_q, jnp.minimum(accept_len, gamma - 1), 1))
+                      draft_log_q(corrected.rows(rejected_at)) if compact
+                      else _take(log_q, rejected_at, 1))
     residual = jnp.maximum(jnp.exp(row_p) - jnp.exp(row_q), 0.0)
     use_p = all_accepted[:, None] | ~(jnp.sum(residual, axis=1, keepdims=True) > 0)
     log_weights = jnp.where(use_p, row_p, jnp.log(residual))
@@ -247,6 +258,13 @@ def check_verify_inputs(target_logits, block, params, positions) -> tuple[int, i
                      f"and γ={gamma} drafts, got shape {tuple(target_logits.shape)}")
   vocab = target_logits.shape[2]
   corrected = block.corrected_logits
+  if isinstance(corrected, proposal.CompactLogits) and (
+      tuple(corrected.token_log_q.shape) != (batch, gamma)
+      or tuple(corrected.vectors.shape[:2]) != (batch, gamma)):
+    raise ValueError(f"block: its CompactLogits hold log q of shape "
+                     f"{tuple(corrected.token_log_q.shape)} and vectors of shape "
+                     f"{tuple(corrected.vectors.shape)}; expected [{batch}, {gamma}] and "
+                     f"[{batch}, {gamma}, r]")
   if corrected is not None and tuple(corrected.shape) != (batch, gamma, vocab):
     raise ValueError(f"target_logits: vocab V={vocab} does not match the block's corrected logits "
                      f"of shape {tuple(corrected.shape)}")

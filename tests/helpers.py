@@ -55,3 +55,17 @@ def assert_same_block(a, b, *, fields=("tokens", "corrected_logits", "greedy_mas
   np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-6)
   same = np.all(x == y, axis=(1, 2))
   np.testing.assert_array_equal(np.asarray(a.tokens)[same], np.asarray(b.tokens)[same])
+
+
+def edge_rows(batch, gamma, vocab, nan_at, tie_at, seed=12, tie_value=50.0):
+  """[batch, γ, V] float32 base logits whose first rows are edge cases: rows 0-1 all -inf, rows 2-3
+  a NaN at column `nan_at`, rows 4-5 an exact tie between the two columns `tie_at`; the rest
+  normal."""
+  rng = np.random.default_rng(seed)
+  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
+  base[0:2] = -np.inf
+  base[2:4, :, nan_at] = np.nan
+  base[4:6] = 0.0
+  base[4:6, :, list(tie_at)] = tie_value
+  return base
+

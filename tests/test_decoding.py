@@ -158,6 +158,20 @@ def test_eager_fallback_equals_folded_sampling(target):
   np.testing.assert_array_equal(folded.tokens, eager.tokens)
 
 
+@pytest.mark.parametrize("mode", ["force", "off"])
+def test_compact_draft_logits_decode_the_same_tokens(target, mode):
+  # store_logits=False keeps each token's log q and recomputes the rejected row instead of storing
+  # the corrected logits: on the folded and on the eager path, the same tokens as stored logits.
+  draft = make_draft(target, 4, "gated")
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.9], top_k=[0, 0, 3, 0, 5],
+                             seed=[4, 8, 15, 16, 23])
+  runs = [dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=12,
+                      mode=mode, store_logits=store) for store in (True, False)]
+  assert runs[0].path == runs[1].path == ("folded-sampling" if mode == "force" else "eager")
+  np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+  assert runs[1].rounds > 3 and 0 < runs[1].acceptance[0] < 1
+
+
 def test_calls_in_the_same_buckets_never_recompile(target):
   draft = make_draft(target, 4, "vanilla")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.5], seed=[1, 2, 3])

@@ -126,12 +126,9 @@ def test_hopper_sampling_equals_the_loop(kind, batch):
   arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
-  rng = np.random.default_rng(8)
-  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
-  base[0:2] = -np.inf
-  base[2:4, :, 1100] = np.nan
-  base[4:6] = 0.0
-  base[4:6, :, [70, 1250]] = 60.0
+  base = helpers.edge_rows(batch, gamma, vocab, nan_at=1100, tie_at=(70, 1250), seed=8,
+                          tie_value=60.0)
+  rng = np.random.default_rng(9)
   h = jnp.asarray(rng.normal(0, 1, (batch, gamma, hidden)), jnp.float32)
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.5, 1.0, 2.0], batch // 4),
                              seed=np.arange(batch))

@@ -239,12 +239,7 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   # bit for bit (CPU).
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
-  rng = np.random.default_rng(12)
-  base = rng.normal(0, 2, (batch, gamma, vocab)).astype(np.float32)
-  base[0:2] = -np.inf
-  base[2:4, :, 2060] = np.nan
-  base[4:6] = 0.0
-  base[4:6, :, [5, 2050]] = 50.0  # a tie between the first and the last tile
+  base = helpers.edge_rows(batch, gamma, vocab, nan_at=2060, tie_at=(5, 2050))  # first, last tile
   arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)

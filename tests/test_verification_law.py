@@ -8,6 +8,8 @@ tokens and a real DSpark draft (vanilla sequential head) whose law differs from 
 float64 enumeration of all (V+1)^3 outcomes) by Pearson chi-square; the test fails at p < 1e-3.
 Each test also checks its power: the same counts must reject a wrong law at p < 1e-6. Greedy rows must
 equal greedy autoregressive decoding exactly. Seeds are fixed, so the suite is deterministic.
+Tests marked "compact" run twice: with the stored corrected logits, and with blocks that keep a
+`proposal.CompactLogits` instead (each token's log q; the verifier recomputes the rejected row).
 """
 
 import jax
@@ -23,6 +25,7 @@ VOCAB, LENGTH, START = 6, 3, 1
 N_SAMPLED, GREEDY_EVERY = 200_000, 6
 ROWS = N_SAMPLED * GREEDY_EVERY // (GREEDY_EVERY - 1)  # 240,000 rows, 40,000 of them greedy
 KEY = jax.random.key(2026)
+compact = pytest.mark.parametrize("store_logits", [True, False], ids=["stored", "compact"])
 
 
 def mixed_params(temperature, top_k=0, top_p=1.0):
@@ -46,11 +49,12 @@ def greedy_chain(table, start=START, length=LENGTH):
 
 
 def check_decode(pair, *, temperature, top_k=0, top_p=1.0, wrong_law, stop_token_ids=(),
-                 verify_lens=None, what):
+                 verify_lens=None, what, store_logits=True):
   params, greedy = mixed_params(temperature, top_k, top_p)
   trace = toy_markov.speculative_decode(pair, params, KEY, START, LENGTH,
                                         first_position=7 + np.arange(ROWS) % 5,
-                                        verify_lens=verify_lens, stop_token_ids=stop_token_ids)
+                                        verify_lens=verify_lens, stop_token_ids=stop_token_ids,
+                                        store_logits=store_logits)
   # Greedy rows: exactly greedy autoregressive decoding, up to and including a stop token.
   expected = np.array(greedy_chain(pair.target_table))
   for i, token in enumerate(expected):
@@ -76,7 +80,8 @@ def test_identical_laws_accept_every_draft():
   assert np.mean(first_round == 3) > 0.9999
 
 
-def test_disjoint_supports_reject_every_draft():
+@compact
+def test_disjoint_supports_reject_every_draft(store_logits):
   # The draft only proposes tokens {0, 1, 2}; the target only emits {3, 4, 5}: every draft token is
   # rejected and every committed token comes from the residual (= the target law here).
   pair = toy_markov.random_pair(VOCAB, 2, seed=2)
@@ -86,18 +91,21 @@ def test_disjoint_supports_reject_every_draft():
   base[..., 3:] = -np.inf
   pair = toy_markov.ToyPair(table, base, pair.head)
   wrong = law_checks.chain_law(table, START, LENGTH, temperature=2.0)
-  trace, greedy = check_decode(pair, temperature=1.0, wrong_law=wrong, what="disjoint supports")
+  trace, greedy = check_decode(pair, temperature=1.0, wrong_law=wrong, what="disjoint supports",
+                               store_logits=store_logits)
   assert np.all(trace.accept_lens[trace.active & ~greedy[None]] == 0)
 
 
-def test_draft_with_zero_mass_where_target_has_mass():
+@compact
+def test_draft_with_zero_mass_where_target_has_mass(store_logits):
   # q(x) = 0 for x in {4, 5} while p(x) > 0: those tokens can only come from the residual.
   pair = toy_markov.random_pair(VOCAB, 3, seed=3)
   base = pair.draft_base.copy()
   base[..., 4:] = -np.inf
   pair = toy_markov.ToyPair(pair.target_table, base, pair.head)
   wrong = law_checks.chain_law(pair.target_table, START, LENGTH, temperature=0.8)
-  check_decode(pair, temperature=1.0, wrong_law=wrong, what="q = 0 where p > 0")
+  check_decode(pair, temperature=1.0, wrong_law=wrong, what="q = 0 where p > 0",
+               store_logits=store_logits)
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 3e-5])
@@ -127,25 +135,28 @@ def _assert_top_p_margin(table, temperature, top_k, top_p):
     assert np.min(np.abs(cumulative - top_p)) > 1e-3
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 2, 1.0), (1.2, 0, 0.6), (1.0, 4, 0.7)])
-def test_truncated_targets(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,store_logits",
+                         [(0.8, 2, 1.0, True), (1.2, 0, 0.6, True), (1.0, 4, 0.7, True),
+                          (1.0, 4, 0.7, False)])
+def test_truncated_targets(temperature, top_k, top_p, store_logits):
   # Top-k, top-p and both (top-p on the renormalised top-k law). The draft ignores truncation, so it
   # often proposes tokens the target has cut (p = 0): those must always be rejected.
   pair = toy_markov.random_pair(VOCAB, 3, seed=6)
   _assert_top_p_margin(pair.target_table, temperature, top_k, top_p)
   wrong = law_checks.chain_law(pair.target_table, START, LENGTH, temperature=temperature)
   check_decode(pair, temperature=temperature, top_k=top_k, top_p=top_p, wrong_law=wrong,
-               what=f"top_k={top_k} top_p={top_p}")
+               what=f"top_k={top_k} top_p={top_p}", store_logits=store_logits)
 
 
-def test_verify_length_caps():
+@compact
+def test_verify_length_caps(store_logits):
   # A fresh verify length in 1..γ+1 per row and round, drawn independently of the drafts.
   pair = toy_markov.random_pair(VOCAB, 3, seed=7)
   rng = np.random.default_rng(8)
   lens_by_round = [rng.integers(1, 5, ROWS) for _ in range(LENGTH)]
   wrong = law_checks.chain_law(pair.target_table, START, LENGTH, temperature=1.3)
   trace, _ = check_decode(pair, temperature=1.0, wrong_law=wrong, what="verify_lens caps",
-                          verify_lens=lambda r: lens_by_round[r])
+                          verify_lens=lambda r: lens_by_round[r], store_logits=store_logits)
   assert np.all(trace.num_committed <= trace.verify_lens)
   assert np.all(trace.accept_lens <= trace.verify_lens - 1)
 
@@ -176,6 +187,30 @@ def test_law_check_catches_a_wrong_verifier(mutation):
 
   params, greedy = mixed_params(1.0)
   trace = toy_markov.speculative_decode(pair, params, KEY, START, LENGTH, block_hook=hook)
+  counts = law_checks.outcome_counts(trace.tokens[~greedy], VOCAB)
+  stats.assert_rejects(counts, law_checks.chain_law(pair.target_table, START, LENGTH),
+                       what=mutation)
+
+
+@pytest.mark.parametrize("mutation", ["backbone-only row", "backbone-only log q"])
+def test_law_check_catches_a_wrong_compact_law(mutation):
+  # With `CompactLogits` the verifier reads the draft law in two places: each token's log q, and the
+  # row it recomputes at the first rejection. Getting either wrong (here: dropping the sequential
+  # head's correction from it) must be rejected at p < 1e-6.
+  pair = toy_markov.random_pair(VOCAB, 3, seed=10, head_scale=3.0)
+
+  def hook(block, anchor):
+    law = block.corrected_logits
+    if mutation == "backbone-only row":  # v = 0: the recomputed row is U_j alone
+      return block.replace(corrected_logits=law.replace(vectors=jnp.zeros_like(law.vectors)))
+    base = jnp.asarray(pair.draft_base)[anchor].astype(jnp.float32)
+    log_q = jax.nn.log_softmax(base / block.temperatures[:, None, None], axis=-1)
+    log_q = jnp.take_along_axis(log_q, block.tokens[..., None], axis=2)[..., 0]
+    return block.replace(corrected_logits=law.replace(token_log_q=log_q))
+
+  params, greedy = mixed_params(1.0)
+  trace = toy_markov.speculative_decode(pair, params, KEY, START, LENGTH, block_hook=hook,
+                                        store_logits=False)
   counts = law_checks.outcome_counts(trace.tokens[~greedy], VOCAB)
   stats.assert_rejects(counts, law_checks.chain_law(pair.target_table, START, LENGTH),
                        what=mutation)

@@ -1,0 +1,212 @@
+"""Blocks drafted with ``store_logits=False`` (`proposal.CompactLogits`): the same tokens, rows that
+recompute bit for bit, verification that decides as with the stored logits, on every path.
+
+The exact-law tests of verification with compact blocks are in test_verification_law.py (marked
+"compact"), with mutation tests showing that a wrong log q or a wrong recomputed row is caught.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dspark_jax as dj
+from dspark_jax import draft_sampler, memory_gate, proposal, verification
+from tests import helpers
+
+KINDS = ("vanilla", "gated", "rnn")
+BATCH, GAMMA, VOCAB, RANK, HIDDEN = 6, 4, 192, 16, 6
+
+
+def _inputs(kind, dtype, confidence=False, seed=0):
+  arrays = helpers.head_arrays(kind, VOCAB, RANK, HIDDEN, seed=seed, scale=2.0)
+  arrays["w2"] = arrays["w2"].astype(dtype)
+  head = dj.markov_head_from_arrays(kind, arrays)
+  conf = None
+  if confidence:
+    conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(HIDDEN + RANK, GAMMA))
+  rng = np.random.default_rng(seed + 1)
+  base = jnp.asarray(rng.normal(0, 2.0, (BATCH, GAMMA, VOCAB)), dtype)
+  hidden = jnp.asarray(rng.normal(0, 1.0, (BATCH, GAMMA, HIDDEN)), jnp.float32)
+  params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0, 0.8], seed=np.arange(BATCH) + 3)
+  return head, conf, base, hidden, params
+
+
+def _run(path, head, conf, base, hidden, params, store_logits):
+  """(tokens, corrected or CompactLogits, confidence) of one block on `path`."""
+  anchor, positions = np.arange(BATCH) * 5 % VOCAB, np.arange(BATCH) * 7
+  if path == "eager":
+    block = dj.sample_block_eager(head, base, anchor, hidden, params, jax.random.key(4), positions,
+                                  confidence_head=conf, store_logits=store_logits)
+    return block.tokens, block.corrected_logits, block.confidence
+  form, options = path
+  rows = proposal.block_arrays(params, anchor, positions)
+  return proposal.folded_block(
+      head.arrays(), None if conf is None else conf.arrays(), base, rows["anchor"], hidden,
+      rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(4),
+      kind=head.kind, greedy_only=False, form=form, pallas_options=options,
+      store_logits=store_logits)
+
+
+PATHS = [("loop", ()), ("unrolled", ()), ("pallas", (("draws", True),)), "eager"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", PATHS, ids=["loop", "unrolled", "pallas", "eager"])
+def test_compact_block_keeps_the_tokens_and_recomputes_its_rows_bit_for_bit(kind, path):
+  # Against the same block with stored logits: identical tokens and confidence; every recomputed
+  # row equal to the stored row bit for bit (the kernel form recomputes with its own kernel); the
+  # kept log q equal to log softmax(stored / T) at the token to float32 rounding (the XLA paths
+  # compute that expression in another program; the kernel forms it from its tiles' log-masses).
+  head, conf, base, hidden, params = _inputs(kind, jnp.bfloat16, confidence=kind == "gated")
+  stored = _run(path, head, conf, base, hidden, params, True)
+  compact = _run(path, head, conf, base, hidden, params, False)
+  law = compact[1]
+  assert isinstance(law, proposal.CompactLogits)
+  np.testing.assert_array_equal(np.asarray(stored[0]), np.asarray(compact[0]))
+  if conf is not None:
+    np.testing.assert_array_equal(np.asarray(stored[2]), np.asarray(compact[2]))
+  np.testing.assert_array_equal(np.asarray(law.dense(), np.float32),
+                                np.asarray(stored[1], np.float32))
+  log_q = jax.nn.log_softmax(stored[1].astype(jnp.float32) / params.draft_temperature[:, None, None],
+                             axis=-1)
+  log_q = np.asarray(jnp.take_along_axis(log_q, stored[0][..., None], axis=2)[..., 0])
+  sampled = ~params.greedy_mask
+  np.testing.assert_allclose(np.asarray(law.token_log_q)[sampled], log_q[sampled],
+                             atol=2e-6, rtol=1e-5)
+  assert law.kernel is None if path[0] != "pallas" else dict(law.kernel)["rows"] == 16
+
+
+def test_compact_edge_rows_on_the_kernel_and_the_loop():
+  # All -inf rows, a NaN, an exact tie across the first and last tile (V = 2064: 129 tiles of 16):
+  # the compact block's tokens and rows are the stored block's, and verification decides alike.
+  batch, gamma, vocab, rank = 8, 2, 2064, 16
+  head = helpers.make_head("vanilla", vocab, rank, 4)
+  base = helpers.edge_rows(batch, gamma, vocab, nan_at=2060, tie_at=(5, 2050))
+  rng = np.random.default_rng(13)
+  arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))
+  params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2), seed=np.arange(batch))
+  rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
+  target = jnp.asarray(rng.normal(0, 2, (batch, gamma + 1, vocab)), jnp.float32)
+  for form, options in (("loop", ()), ("pallas", (("draws", True),))):
+    blocks = []
+    for store_logits in (True, False):
+      tokens, corrected, _ = proposal.folded_block(
+          arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
+          rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(1),
+          kind="vanilla", greedy_only=False, form=form, pallas_options=options,
+          store_logits=store_logits)
+      blocks.append(proposal.DraftBlock(tokens=tokens, corrected_logits=corrected,
+                                        greedy_mask=rows["greedy"],
+                                        temperatures=rows["temperature"], confidence=None))
+    stored, compact = blocks
+    np.testing.assert_array_equal(np.asarray(stored.tokens), np.asarray(compact.tokens))
+    np.testing.assert_array_equal(np.asarray(compact.corrected_logits.dense()),
+                                  np.asarray(stored.corrected_logits))
+    results = [verification.verify(target, b, params, jax.random.key(2), np.arange(batch) * 5)
+               for b in blocks]
+    for field in ("accept_len", "bonus", "committed"):
+      np.testing.assert_array_equal(getattr(results[0], field), getattr(results[1], field))
+    assert np.all((np.asarray(results[1].bonus) >= 0) & (np.asarray(results[1].bonus) < vocab))
+
+
+@pytest.mark.parametrize("path", [("loop", ()), ("pallas", ())], ids=["loop", "pallas"])
+def test_compact_verification_decides_as_with_stored_logits(path):
+  # 64 rows (on the kernel form: the XLA-draw threshold, so compact mode's in-kernel draws are
+  # forced), a quarter greedy, some top-k, verify lengths and a stop token; the target leans
+  # towards the drafts so rounds end at every position. The two blocks must give the same
+  # AcceptResult, field for field; also with verify_arrays under the user's own jit.
+  batch, gamma, vocab, rank = 64, 4, 256, 16
+  head = helpers.make_head("vanilla", vocab, rank, 4, seed=3, scale=2.0)
+  rng = np.random.default_rng(0)
+  base = jnp.asarray(rng.normal(0, 1.5, (batch, gamma, vocab)), jnp.float32)
+  row = np.arange(batch)
+  params = dj.SamplingParams(temperature=np.where(row % 4 == 0, 0.0, 0.9),
+                             top_k=np.where(row % 3 == 0, 20, 0), seed=row)
+  anchor, positions = row * 7 % vocab, row + 5
+  blocks = []
+  for store_logits in (True, False):
+    r = proposal.block_arrays(params, anchor, positions)
+    form, options = path
+    tokens, corrected, _ = proposal.folded_block(
+        head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"], r["seeds"],
+        r["positions"], jax.random.key(1), kind="vanilla", greedy_only=False, form=form,
+        pallas_options=options, store_logits=store_logits)
+    blocks.append(proposal.DraftBlock(tokens=tokens, corrected_logits=corrected,
+                                      greedy_mask=r["greedy"], temperatures=r["temperature"],
+                                      confidence=None))
+  np.testing.assert_array_equal(np.asarray(blocks[0].tokens), np.asarray(blocks[1].tokens))
+  target = jnp.asarray(rng.normal(0, 1.5, (batch, gamma + 1, vocab)), jnp.float32)
+  target = target.at[:, :gamma].add(3.0 * jax.nn.one_hot(blocks[0].tokens, vocab))
+  lens = rng.integers(1, gamma + 2, batch)
+  results = [verification.verify(target, b, params, jax.random.key(2), positions, lens,
+                                 stop_token_ids=(int(blocks[0].tokens[1, 2]),)) for b in blocks]
+  results.append(jax.jit(lambda t, law: verification.verify_arrays(
+      t, blocks[1].tokens, law, params.draft_temperature, params.greedy_mask,
+      params.draft_temperature, params.top_k, params.top_p, params.seed, positions, lens,
+      np.full((batch, 1), -1, np.int32), jax.random.key(2), greedy_only=False))(
+          target, blocks[1].corrected_logits))
+  results.append(verification.verify_arrays(
+      target, blocks[0].tokens, blocks[0].corrected_logits, params.draft_temperature,
+      params.greedy_mask, params.draft_temperature, params.top_k, params.top_p, params.seed,
+      positions, lens, np.full((batch, 1), -1, np.int32), jax.random.key(2), greedy_only=False))
+  for a, b in (results[:2], results[2:]):
+    for field in ("accept_len", "bonus", "committed", "num_committed", "finished"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+  accept = np.asarray(results[0].accept_len)[~params.greedy_mask & (lens == gamma + 1)]
+  assert len(np.unique(accept)) >= 3  # rejections at several positions, so rows are recomputed
+
+
+@pytest.mark.parametrize("options,match", [
+    ((("hopper", True),), "hopper does not take store_logits=False"),
+    ((("persistent", True),), "persistent does not take store_logits=False"),
+    ((("draws", False),), "draws=False needs the stored logits"),
+])
+def test_compact_mode_names_the_kernel_settings_it_cannot_take(options, match):
+  head, _, base, _, params = _inputs("vanilla", jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    _run(("pallas", options), head, None, base, None, params, False)
+
+
+def test_draft_sampler_compact_blocks_pad_recompute_and_never_recompile():
+  # Batch 5 runs in bucket 8: the block's rows are the first 5 of the padded block, recomputed at
+  # the drafted 8 rows, equal to the stored-logits sampler's; steady state compiles nothing; the
+  # memory gate counts log q and the vectors instead of the logits.
+  head = helpers.make_head("rnn", VOCAB, RANK, HIDDEN)
+  build = lambda store: dj.build_draft_sampler(
+      head, max_batch_size=8, vocab_size=VOCAB, gamma=GAMMA, logits_dtype=jnp.float32,
+      mode="force", memory_stats={"bytes_limit": 2**36, "bytes_in_use": 0}, store_logits=store)
+  stored, compact = build(True), build(False)
+  assert compact.decision.need_bytes == memory_gate.sampling_need_bytes(
+      8, VOCAB, GAMMA, jnp.float32, store_logits=False, rank=RANK) == 8 * VOCAB * 4 + 8 * GAMMA * (
+          4 + RANK * 4)
+  _, _, base, hidden, _ = _inputs("rnn", jnp.float32)
+  params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0], seed=np.arange(5))
+  inputs = dict(base_logits=base[:5], anchor=np.arange(5), hidden=hidden[:5], params=params,
+                key=jax.random.key(7), positions=np.arange(5) * 3)
+  a, b = stored.propose(**inputs), compact.propose(**inputs)
+  assert isinstance(b.corrected_logits, proposal.CompactLogits)
+  assert b.corrected_logits.drafted_rows == 8 and b.corrected_logits.shape == (5, GAMMA, VOCAB)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(b.corrected_logits.dense()),
+                                np.asarray(a.corrected_logits))
+  programs = compact.compilations
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+  try:
+    compact.propose(**dict(inputs, key=jax.random.key(8))).tokens.block_until_ready()
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [] and compact.compilations == programs
+
+
+def test_bad_compact_block_is_rejected_by_verify():
+  head, _, base, _, params = _inputs("vanilla", jnp.float32)
+  block = dj.sample_block(head, base, np.arange(BATCH), None, params, jax.random.key(0),
+                          np.arange(BATCH), store_logits=False)
+  law = block.corrected_logits
+  bad = block.replace(corrected_logits=law.replace(token_log_q=law.token_log_q[:, :2]))
+  target = jnp.zeros((BATCH, GAMMA + 1, VOCAB))
+  with pytest.raises(ValueError, match=r"block: its CompactLogits hold log q of shape \(6, 2\)"):
+    verification.verify(target, bad, params, jax.random.key(0), np.arange(BATCH))
