@@ -331,9 +331,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
     if not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
       prev = sampling.tokens_in_chosen_tiles(corrected, prev, greedy, temperature, noise[k], step=k)
-    if compact:  # log q(x) = L[x] / T - logsumexp over the tiles; x lies in tile x // c
-      logit = jnp.take_along_axis(stats.tile_draw_logit, prev[:, None] // tile, axis=1)[:, 0]
-      log_q.append(logit / temperature - jax.nn.logsumexp(stats.tile_log_mass, axis=1))
+    if compact:  # log q is formed after the loop: small XLA kernels here would each cost a launch
+      log_q.append((stats.tile_log_mass, stats.tile_draw_logit))
       if not w1_in_kernel:
         vectors.append(head_input.astype(head_params["w2"].dtype))
     tokens.append(prev)
@@ -349,9 +348,13 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       vectors = jnp.take(head_params["w1"], prevs, axis=0).astype(w2.dtype)
     else:
       vectors = jnp.stack(vectors, axis=1)
+    # log q(x) = L[x] / T - logsumexp over the tiles' log-masses; x lies in tile x // c.
+    masses, draw_logits = (jnp.stack(a, axis=1) for a in zip(*log_q))   # [B, γ, V/c] each
+    logit = jnp.take_along_axis(draw_logits, (tokens // tile)[..., None], axis=2)[..., 0]
+    log_q = logit / temperature[:, None] - jax.nn.logsumexp(masses, axis=2)
     # The row block enters the kernel's summation: recompute with the drafted one.
     kernel = dict(options, rows=options.get("rows") or fused_step.row_block(batch))
-    corrected = CompactLogits(token_log_q=jnp.stack(log_q, axis=1), vectors=vectors,
+    corrected = CompactLogits(token_log_q=log_q, vectors=vectors,
                               base_logits=base_logits, w2=w2, kernel=tuple(sorted(kernel.items())))
   return tokens, corrected, None if conf_params is None else jnp.stack(confidence, axis=1)
 

@@ -39,13 +39,14 @@ import bench_sampler  # noqa: E402
 NAMES = ("stored", "compact", "stored+verify", "compact+verify")
 
 
-def round_program(store_logits: bool, verify: bool):
+def round_program(store_logits: bool, verify: bool, pallas_options=()):
   """One jitted program: the sampling block, then (with `verify`) its verification."""
   def run(head_arrays, base, anchor, greedy, temperature, seeds, positions, key, target, top_k,
           top_p, lens, stop_ids):
     tokens, law, _ = proposal.folded_block(
         head_arrays, None, base, anchor, None, greedy, temperature, seeds, positions, key,
-        kind="vanilla", greedy_only=False, store_logits=store_logits)
+        kind="vanilla", greedy_only=False, store_logits=store_logits,
+        pallas_options=pallas_options)
     if not verify:
       return tokens, law
     result = verification.verify_arrays(target, tokens, law, temperature, greedy, temperature,
@@ -61,7 +62,11 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--batches", help="comma-separated batch sizes (default: the issue's)")
   parser.add_argument("--vocabs", help="comma-separated vocabulary sizes (default: the issue's)")
+  parser.add_argument("--compact-options", default="",
+                      help="pallas_options of the compact programs, e.g. 'late_base=1,num_warps=8'")
   args = parser.parse_args(argv)
+  compact_options = tuple((name, int(value)) for name, value in
+                          (pair.split("=") for pair in args.compact_options.split(",") if pair))
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   if args.batches:
     batches = [int(b) for b in args.batches.split(",")]
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
           np.full((batch, 1), -1, np.int32)))
       floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / bench_sampler.SPEC_COPY_RATE
       row = {"V": vocab, "B": batch, "floor": floor}
-      programs = {name: round_program(not name.startswith("compact"), name.endswith("verify"))
+      programs = {name: round_program(not name.startswith("compact"), name.endswith("verify"),
+                                      compact_options if name.startswith("compact") else ())
                   for name in NAMES}
       stored = jax.block_until_ready(programs["stored"](*call_args))
       compact = jax.block_until_ready(programs["compact"](*call_args))

@@ -84,6 +84,8 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--form", default="auto")
   parser.add_argument("--greedy-only", action="store_true")
+  parser.add_argument("--compact", action="store_true",
+                      help="the sampling variant with store_logits=False (proposal.CompactLogits)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--rank", type=int, default=256)
   parser.add_argument("--out", default=None, help="folder for the trace (default: a temporary one)")
@@ -99,7 +101,8 @@ def main(argv=None):
                               r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
   compiled = proposal.folded_block.lower(
       *call_args, kind="vanilla", greedy_only=args.greedy_only, form=args.form.split("-")[0],
-      pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ())).compile()
+      pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ()),
+      store_logits=not args.compact).compile()
   b2b = explore_sampler.b2b_seconds(compiled, call_args)
   out = args.out or tempfile.mkdtemp()
   with jax.profiler.trace(out, create_perfetto_trace=True):
@@ -112,7 +115,7 @@ def main(argv=None):
   kernels = last_burst(gpu_kernel_events(max(files, key=os.path.getmtime)))
   if not kernels:
     raise SystemExit(f"no GPU stream events in the trace; its tracks: {track_names(files[0])}")
-  variant = "greedy-only" if args.greedy_only else "sampling"
+  variant = "greedy-only" if args.greedy_only else "compact" if args.compact else "sampling"
   span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
   busy = sum(d for _, d, _ in kernels)
   print(f"V={args.vocab} B={batch} {variant} form={args.form}: {len(kernels)} kernels, "
