@@ -200,6 +200,8 @@ def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greed
       head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"], rows["seeds"],
       state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only,
       store_logits=store_logits)
+  if isinstance(corrected, proposal.CompactLogits):
+    corrected = corrected.with_inputs(base, head["w2"])
   return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
                          greedy_only)
 

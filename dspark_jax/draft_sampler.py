@@ -191,6 +191,8 @@ class DraftSampler:
             _pad_rows(hidden, bucket), rows["greedy"], rows["temperature"], rows["seeds"],
             rows["positions"], key)
     tokens, corrected, confidence = self._executable(all_greedy, args)(*args)
+    if isinstance(corrected, proposal.CompactLogits):  # the program's inputs: attached, not copied
+      corrected = corrected.with_inputs(args[2], self._weights[0]["w2"])
     greedy, temperature = rows["greedy"], rows["temperature"]
     if bucket != batch:
       tokens, greedy, temperature = tokens[:batch], greedy[:batch], temperature[:batch]

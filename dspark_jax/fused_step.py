@@ -99,15 +99,15 @@ def _row_first_max(values, indices):
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
-             law_refs=None):
+             with_law=False):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
 
   `v` is the [rows] int32 tokens whose ``W1`` rows to gather when `w1_ref` is given (rows past the
-  batch read token 0), else the ref of the [B, r] vectors. `law_refs`, with `draws` and no
-  `corrected_ref`: the refs of the [B, V/c] outputs to write the tile's log-mass and its draw's
-  corrected logit into (the draft law without the logits, `step_stats(store_logits=False)`).
+  batch read token 0), else the ref of the [B, r] vectors. `with_law` (sampling variant): also
+  return each row's tile log-mass and, with `draws`, its draw's corrected logit (else None): the
+  draft law without the logits (`step_stats(store_logits=False)`).
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -161,14 +161,22 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
     else:  # XLA draws inside the chosen tile (`sampling.tokens_in_chosen_tiles`)
       sampled = jnp.full((rows,), col0, jnp.int32)
     greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
-    if law_refs is not None:  # the draft law without the logits: the tile's log-mass, the draw's logit
-      mass_ref, logit_ref = law_refs
-      mass_ref[row_slice, j] = log_mass
-      # one nonzero term: exact, and a NaN or -inf logit passes through
-      logit_ref[row_slice, j] = jnp.sum(jnp.where(columns == sampled[:, None], x, 0.0), axis=1)
+    if with_law:  # one nonzero term: exact, and a NaN or -inf logit passes through
+      draw_logit = (jnp.sum(jnp.where(columns == sampled[:, None], x, 0.0), axis=1) if draws
+                    else None)
+      law = (log_mass, draw_logit)
     key = jnp.where(greedy, key, score)
     token = jnp.where(greedy, token, sampled)
-  return key, token
+  return (key, token, *law) if with_law else (key, token)
+
+
+def _block_vectors(v_ref, block, gathers, rows, batch):
+  """What `one_tile` takes as `v` for row block `block`: the ref of the vectors, or the block's
+  tokens whose W1 rows it gathers (rows past the batch read token 0)."""
+  if not gathers:
+    return v_ref
+  valid = block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < batch
+  return plgpu.load(v_ref.at[pl.ds(block * rows, rows)], mask=valid, other=0)
 
 
 def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_program, reverse,
@@ -177,31 +185,31 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
   w2_ref, base_ref, temp_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-  noise_ref = greedy_ref = corrected_ref = law_refs = None
+  noise_ref = greedy_ref = corrected_ref = None
+  law_refs = ()
   if greedy_only:
     key_ref, token_ref = refs
   elif store_logits:  # an aliased corrected input may come before the outputs
     noise_ref, greedy_ref = refs.pop(0), refs.pop(0)
     corrected_ref, key_ref, token_ref = refs[-3:]
-  else:
+  else:  # the log-masses, and with draws the draws' logits
     noise_ref, greedy_ref, key_ref, token_ref, *law_refs = refs
   block, group = pl.program_id(0), pl.program_id(1)
   if reverse:  # instances start in program order: the last tiles first
     group = pl.num_programs(1) - 1 - group
   rows = static["rows"]
   row_slice = pl.ds(block * rows, rows)
-  v = v_ref
-  if gathers:  # the tokens whose W1 rows the tiles gather; rows past the batch read token 0
-    valid = block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < static["batch"]
-    v = plgpu.load(v_ref.at[row_slice], mask=valid, other=0)
+  v = _block_vectors(v_ref, block, gathers, rows, static["batch"])
 
   def run(j):
-    key, token = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
-                          corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
-                          law_refs=law_refs, **static)
+    key, token, *law = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
+                                corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
+                                with_law=bool(law_refs), **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token
+    for ref, value in zip(law_refs, law):
+      ref[row_slice, j] = value
   if tiles_per_program == 1:
     run(group)
     return
@@ -271,9 +279,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     late_base: load the U_k tile after the rank loop, not before (None: only for the sampling
       variant without draws, where it measured faster on an H200: the tile then does not hold
       registers through the loop, 128 registers per thread instead of 204 at 64 rows).
-    store_logits: sampling variant with `draws`: False writes no corrected logits (`corrected` is
-      ignored) but, per row and tile, the tile's log-mass and its draw's corrected logit, from which
-      the caller forms ``log q(x)`` of the row's token (`proposal.CompactLogits`).
+    store_logits: sampling variant: False writes no corrected logits (`corrected` is ignored) but,
+      per row and tile, the tile's log-mass and, with `draws`, its draw's corrected logit, from
+      which the caller forms ``log q(x)`` of the row's token (`proposal.CompactLogits`); without
+      draws, `chosen_tile_draws` then draws in the chosen tiles.
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
@@ -292,9 +301,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
   store_logits = store_logits or greedy_only
-  if not (store_logits or draws):
-    raise ValueError("draws: store_logits=False needs the tiles' draws (there are no logits to "
-                     "draw from afterwards)")
   rows = rows or row_block(batch)
   if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
     k_chunk = None
@@ -308,8 +314,8 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   aliases = {}
   if not greedy_only:
     inputs += [noise, greedy.astype(jnp.int32)]
-  if not store_logits:
-    out_shape += [stat(jnp.float32), stat(jnp.float32)]
+  if not store_logits:  # the tiles' log-masses, and with draws their draws' logits
+    out_shape += [stat(jnp.float32)] * (2 if draws else 1)
   elif not greedy_only:
     out_shape = [jax.ShapeDtypeStruct(base_logits.shape, base_logits.dtype), *out_shape]
     if corrected is not None:
@@ -336,5 +342,70 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   if greedy_only:
     return StepStats(None, cut(outs[0]), cut(outs[1]))
   if not store_logits:
-    return StepStats(None, *map(cut, outs))
+    return StepStats(None, *map(cut, outs), *([None] if len(outs) == 3 else []))
   return StepStats(outs[0], cut(outs[1]), cut(outs[2]))
+
+
+def _chosen_tile_kernel(*refs, gathers, rows, tile, **static):
+  refs = list(refs)
+  v_ref = refs.pop(0)
+  w1_ref = refs.pop(0) if gathers else None
+  w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, chosen_ref, token_ref, logit_ref = refs
+  row = pl.program_id(0)
+  block = row // rows
+  # The tile row `row` chose, for its whole row block: the same dot as the step's kernel.
+  j = jnp.max(chosen_ref[pl.ds(row, 1)]) // tile
+  _, token, _, draw_logit = one_tile(
+      j, _block_vectors(v_ref, block, gathers, rows, static["batch"]), w1_ref, w2_ref, base_ref,
+      temp_ref, noise_ref, greedy_ref, None, row0=block * rows, rows=rows, tile=tile, draws=True,
+      with_law=True, **static)
+  token_ref[pl.ds(row, 1), :] = token[None, :]
+  logit_ref[pl.ds(row, 1), :] = draw_logit[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("step", "rows", "num_warps", "num_stages", "k_chunk",
+                                             "tiles_per_program", "serpentine", "cache_hints",
+                                             "late_base", "interpret"))
+def chosen_tile_draws(v, w2, base_logits, temperature, noise, greedy, chosen, *, w1=None, step,
+                      rows=None, num_warps=None, num_stages=3, k_chunk=64, tiles_per_program=1,
+                      serpentine=True, cache_hints=True, late_base=None, interpret=False):
+  """Each sampled row's draw inside the tile it chose, and the draw's corrected logit.
+
+  What `step_stats` with ``store_logits=False`` and without draws leaves to do: the token choice
+  gave each sampled row a tile (`chosen`, its first column); one kernel instance per row computes
+  that tile for the row's whole row block with `one_tile`, the step kernel's own code and dot
+  shape, so the logits are the step kernel's bit for bit, and keeps the row's draw
+  ``argmax(corrected / T + G')`` and ``corrected[draw]``. Arguments as in `step_stats` (the same
+  kernel settings; the ones that do not apply here are accepted and ignored).
+
+  Returns:
+    ``(token [B] int32, draw_logit [B] float32)``; a greedy row's entries are unused.
+  """
+  del tiles_per_program, serpentine, late_base  # settings of the step kernel's grid and loads
+  batch = v.shape[0]
+  rank, vocab = w2.shape
+  tile = sampling.vocab_tile(vocab)
+  rows = rows or row_block(batch)
+  k_chunk = k_chunk if k_chunk is not None and not (rank % k_chunk or k_chunk < MIN_TILE) else None
+  inputs = [v.astype(jnp.int32) if w1 is not None else v.astype(w2.dtype)]
+  inputs += [] if w1 is None else [w1]
+  inputs += [w2, base_logits, temperature.astype(jnp.float32), noise, greedy.astype(jnp.int32),
+             chosen.astype(jnp.int32)]
+  params = {name: value for name, value in (("num_warps", num_warps),
+                                             ("num_stages", num_stages)) if value}
+  out_shape = [jax.ShapeDtypeStruct((batch, rows), jnp.int32),
+               jax.ShapeDtypeStruct((batch, rows), jnp.float32)]
+  token, logit = pl.pallas_call(
+      functools.partial(_chosen_tile_kernel, gathers=w1 is not None, rows=rows, tile=tile,
+                        step=step, batch=batch, tiles=vocab // tile, k_chunk=k_chunk,
+                        cache_hints=cache_hints, late_base=False),
+      grid=(batch,),
+      in_specs=[pl.no_block_spec] * len(inputs),
+      out_specs=[pl.no_block_spec] * 2,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(**params) if params else None,
+      interpret=interpret,
+  )(*inputs)
+  lane = jnp.arange(batch) % rows  # row b is lane b mod rows of its block
+  return (jnp.take_along_axis(token, lane[:, None], axis=1)[:, 0],
+          jnp.take_along_axis(logit, lane[:, None], axis=1)[:, 0])

@@ -95,11 +95,15 @@ class CompactLogits:
   token was drawn from bit for bit. Per step the block then writes B floats instead of B·V logits
   (a third of the floor's bytes at B = 128), and the verifier reads W2 once more per round.
 
+  `folded_block`, a compiled program, leaves `base_logits` and `w2` as None: they are its inputs,
+  and returning an input from a program copies it (231 MB at B = 128, V = 129280). The caller
+  attaches its own arrays (`with_inputs`); `sample_block`, `DraftSampler` and `generate` do.
+
   Attributes:
     token_log_q: [B, γ] float32 ``log softmax(corrected_k / T)[x_k]`` (a greedy row's: unused).
     vectors: [B, γ, r] the head's vectors in W2's dtype.
-    base_logits: [B, γ, V] the backbone's logits the block was drafted from.
-    w2: [r, V] the head's second matrix.
+    base_logits: [B, γ, V] the backbone's logits the block was drafted from (None: not attached).
+    w2: [r, V] the head's second matrix (None: not attached).
     kernel: static: None for XLA's arithmetic (forms "loop" and "unrolled", and the eager path),
       else the `fused_step` kernel settings, ``((name, value), ...)``, of the "pallas" form.
     drafted_rows: static: the batch the block was drafted at, when it had more (padding) rows:
@@ -108,15 +112,31 @@ class CompactLogits:
 
   token_log_q: jax.Array
   vectors: jax.Array
-  base_logits: jax.Array
-  w2: jax.Array
+  base_logits: jax.Array | None = None
+  w2: jax.Array | None = None
   kernel: tuple | None = struct.field(pytree_node=False, default=None)
   drafted_rows: int | None = struct.field(pytree_node=False, default=None)
 
   @property
   def shape(self) -> tuple[int, int, int]:
     """[B, γ, V], the shape of the corrected logits this stands in for."""
+    self._check_attached()
     return tuple(self.base_logits.shape)
+
+  def with_inputs(self, base_logits: jax.Array, w2: jax.Array) -> CompactLogits:
+    """The same law with the block's base logits [B', γ, V] and W2 [r, V] attached (B' >= B: a
+    padded block's own base logits, of which the first B rows are this block's)."""
+    if self.base_logits is not None:
+      return self
+    batch = self.token_log_q.shape[0]
+    drafted = base_logits.shape[0]
+    return self.replace(base_logits=base_logits[:batch], w2=w2,
+                        drafted_rows=self.drafted_rows or (drafted if drafted > batch else None))
+
+  def _check_attached(self):
+    if self.base_logits is None or self.w2 is None:
+      raise ValueError("CompactLogits: base_logits and w2 are not attached; call "
+                       "with_inputs(base_logits, w2) with the block's inputs")
 
   def rows(self, position: jax.Array) -> jax.Array:
     """[B, V] row b's corrected logits at block position ``position[b]`` (0-based), in the logits
@@ -129,10 +149,10 @@ class CompactLogits:
 
   def first_rows(self, n: int) -> CompactLogits:
     """The first `n` rows (a padded block's real ones), still recomputed at the drafted size."""
-    cut = lambda x: x[:n]
+    cut = lambda x: None if x is None else x[:n]
     return self.replace(token_log_q=cut(self.token_log_q), vectors=cut(self.vectors),
                         base_logits=cut(self.base_logits),
-                        drafted_rows=self.drafted_rows or self.shape[0])
+                        drafted_rows=self.drafted_rows or self.token_log_q.shape[0])
 
   def dense(self) -> jax.Array:
     """[B, γ, V] all the corrected logits (tests and inspection; the point is not to need them)."""
@@ -251,8 +271,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   takes it only when asked (its first form was not faster; the present one is not yet timed).
 
   ``store_logits=False`` (sampling variant, the per-step Triton kernel only) writes no corrected
-  logits: every tile draws its token in the kernel and writes its log-mass and its draw's logit
-  instead, from which XLA forms the token's ``log q``; returns a `CompactLogits`.
+  logits but each tile's log-mass; with per-tile draws also each draw's logit, else
+  `fused_step.chosen_tile_draws` draws in the chosen tiles (recomputed by the same code); XLA then
+  forms each token's ``log q``. Returns a `CompactLogits`.
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
@@ -260,8 +281,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   interpret = jax.default_backend() == "cpu"
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
-  compact = not (store_logits or greedy_only)  # no logits to draw from afterwards: tiles draw
-  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH or compact)
+  compact = not (store_logits or greedy_only)
+  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
   # Settings for the Triton kernel (rows, warps, ...) keep it, unless hopper is asked for.
   hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
                        and hopper_by_default(batch, vocab, head_params["w2"].dtype,
@@ -270,9 +291,6 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   if compact and (hopper or persistent):
     raise ValueError(f"pallas_options: {'hopper' if hopper else 'persistent'} does not take "
                      "store_logits=False (the per-step Triton kernel does)")
-  if compact and not draws:
-    raise ValueError("pallas_options: draws=False needs the stored logits to draw from; "
-                     "store_logits=False draws in the kernel")
   if hopper and set(options) - hopper_settings:
     raise ValueError(f"pallas_options: {sorted(set(options) - hopper_settings)[0]!r} is not a "
                      f"setting of the hopper kernel (it takes {sorted(hopper_settings)})")
@@ -329,10 +347,15 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
         store_logits=not compact, interpret=interpret, **options)
     corrected = stats.corrected
     prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
-    if not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
+    if compact and not draws:  # no logits to reread: the chosen tiles again, by the same code
+      drawn, draw_logit = fused_step.chosen_tile_draws(
+          head_input, head_params["w2"], base_logits, temperature, noise, greedy_rows, prev,
+          w1=w1, step=k, interpret=interpret, **options)
+      prev = jnp.where(greedy, prev, drawn)
+    elif not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
       prev = sampling.tokens_in_chosen_tiles(corrected, prev, greedy, temperature, noise[k], step=k)
     if compact:  # log q is formed after the loop: small XLA kernels here would each cost a launch
-      log_q.append((stats.tile_log_mass, stats.tile_draw_logit))
+      log_q.append((stats.tile_log_mass, stats.tile_draw_logit if draws else draw_logit))
       if not w1_in_kernel:
         vectors.append(head_input.astype(head_params["w2"].dtype))
     tokens.append(prev)
@@ -349,21 +372,21 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     else:
       vectors = jnp.stack(vectors, axis=1)
     # log q(x) = L[x] / T - logsumexp over the tiles' log-masses; x lies in tile x // c.
-    masses, draw_logits = (jnp.stack(a, axis=1) for a in zip(*log_q))   # [B, γ, V/c] each
-    logit = jnp.take_along_axis(draw_logits, (tokens // tile)[..., None], axis=2)[..., 0]
+    masses, logit = (jnp.stack(a, axis=1) for a in zip(*log_q))  # [B, γ, V/c]; [B, γ, V/c or -]
+    if draws:  # every tile's draw: the token's is its tile's
+      logit = jnp.take_along_axis(logit, (tokens // tile)[..., None], axis=2)[..., 0]
     log_q = logit / temperature[:, None] - jax.nn.logsumexp(masses, axis=2)
     # The row block enters the kernel's summation: recompute with the drafted one.
     kernel = dict(options, rows=options.get("rows") or fused_step.row_block(batch))
     corrected = CompactLogits(token_log_q=log_q, vectors=vectors,
-                              base_logits=base_logits, w2=w2, kernel=tuple(sorted(kernel.items())))
+                              kernel=tuple(sorted(kernel.items())))
   return tokens, corrected, None if conf_params is None else jnp.stack(confidence, axis=1)
 
 
-def _compact(head_params, base_logits, law_per_step, kernel=None):
-  """`CompactLogits` from the steps' ``(v_k, log q_k)`` pairs."""
+def _compact(law_per_step):
+  """`CompactLogits` (inputs not attached) from the steps' ``(v_k, log q_k)`` pairs."""
   vectors, log_q = zip(*law_per_step)
-  return CompactLogits(token_log_q=jnp.stack(log_q, axis=1), vectors=jnp.stack(vectors, axis=1),
-                       base_logits=base_logits, w2=head_params["w2"], kernel=kernel)
+  return CompactLogits(token_log_q=jnp.stack(log_q, axis=1), vectors=jnp.stack(vectors, axis=1))
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "greedy_only", "form", "pallas_options",
@@ -385,7 +408,7 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
   default for greedy-only `hopper_by_default`, i.e. from 128 rows on a Hopper GPU, else off).
   `store_logits` (static, sampling variant): False returns a `CompactLogits` instead of the
-  corrected logits.
+  corrected logits, without its inputs attached (`CompactLogits.with_inputs`).
 
   Returns ``(tokens [B, γ], corrected [B, γ, V] | CompactLogits | None, confidence [B, γ] | None)``.
   """
@@ -413,7 +436,7 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
     if greedy_only:
       corrected = None
     else:
-      corrected = (_compact(head_params, base_logits, laws) if compact
+      corrected = (_compact(laws) if compact
                    else jnp.stack(laws, axis=1))
     return (jnp.stack(tokens, axis=1), corrected,
             None if conf_params is None else jnp.stack(confidence, axis=1))
@@ -451,8 +474,7 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   carry = jax.lax.fori_loop(0, gamma, body, carry)
   corrected = carry.get("corrected")
   if compact:
-    corrected = CompactLogits(token_log_q=carry["log_q"], vectors=carry["vectors"],
-                              base_logits=base_logits, w2=head_params["w2"])
+    corrected = CompactLogits(token_log_q=carry["log_q"], vectors=carry["vectors"])
   return carry["tokens"], corrected, carry.get("confidence")
 
 
@@ -486,7 +508,7 @@ def eager_block(head_params, conf_params, base_logits, anchor, hidden, greedy, t
     corrected = None
   else:
     corrected = (jnp.stack(laws, axis=1) if store_logits
-                 else _compact(head_params, jnp.asarray(base_logits), laws))
+                 else _compact(laws).with_inputs(jnp.asarray(base_logits), head_params["w2"]))
   return (jnp.stack(tokens, axis=1), corrected,
           None if conf_params is None else jnp.stack(confidence, axis=1))
 
@@ -553,6 +575,8 @@ def _run(runner, path, head, base_logits, anchor, hidden, params, key, positions
       head.arrays(), conf_params, base_logits, rows["anchor"], hidden, rows["greedy"],
       rows["temperature"], rows["seeds"], rows["positions"], key, kind=head.kind,
       greedy_only=greedy_only, store_logits=store_logits)
+  if isinstance(corrected, CompactLogits):
+    corrected = corrected.with_inputs(jnp.asarray(base_logits), head.arrays()["w2"])
   return DraftBlock(tokens=tokens, corrected_logits=corrected, greedy_mask=rows["greedy"],
                     temperatures=rows["temperature"], confidence=confidence, path=path)
 

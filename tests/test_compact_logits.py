@@ -41,18 +41,23 @@ def _run(path, head, conf, base, hidden, params, store_logits):
     return block.tokens, block.corrected_logits, block.confidence
   form, options = path
   rows = proposal.block_arrays(params, anchor, positions)
-  return proposal.folded_block(
+  tokens, law, confidence = proposal.folded_block(
       head.arrays(), None if conf is None else conf.arrays(), base, rows["anchor"], hidden,
       rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(4),
       kind=head.kind, greedy_only=False, form=form, pallas_options=options,
       store_logits=store_logits)
+  if not store_logits:  # the program returns it without its inputs (they would be copied)
+    assert law.base_logits is None and law.w2 is None
+    law = law.with_inputs(base, head.arrays()["w2"])
+  return tokens, law, confidence
 
 
-PATHS = [("loop", ()), ("unrolled", ()), ("pallas", (("draws", True),)), "eager"]
+PATHS = [("loop", ()), ("unrolled", ()), ("pallas", (("draws", True),)),
+         ("pallas", (("draws", False),)), "eager"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS, ids=["loop", "unrolled", "pallas", "eager"])
+@pytest.mark.parametrize("path", PATHS, ids=["loop", "unrolled", "pallas", "pallas-xc", "eager"])
 def test_compact_block_keeps_the_tokens_and_recomputes_its_rows_bit_for_bit(kind, path):
   # Against the same block with stored logits: identical tokens and confidence; every recomputed
   # row equal to the stored row bit for bit (the kernel form recomputes with its own kernel); the
@@ -88,7 +93,8 @@ def test_compact_edge_rows_on_the_kernel_and_the_loop():
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2), seed=np.arange(batch))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
   target = jnp.asarray(rng.normal(0, 2, (batch, gamma + 1, vocab)), jnp.float32)
-  for form, options in (("loop", ()), ("pallas", (("draws", True),))):
+  paths = (("loop", ()), ("pallas", (("draws", True),)), ("pallas", (("draws", False),)))
+  for form, options in paths:
     blocks = []
     for store_logits in (True, False):
       tokens, corrected, _ = proposal.folded_block(
@@ -96,6 +102,8 @@ def test_compact_edge_rows_on_the_kernel_and_the_loop():
           rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(1),
           kind="vanilla", greedy_only=False, form=form, pallas_options=options,
           store_logits=store_logits)
+      if not store_logits:
+        corrected = corrected.with_inputs(jnp.asarray(base), arrays["w2"])
       blocks.append(proposal.DraftBlock(tokens=tokens, corrected_logits=corrected,
                                         greedy_mask=rows["greedy"],
                                         temperatures=rows["temperature"], confidence=None))
@@ -112,8 +120,8 @@ def test_compact_edge_rows_on_the_kernel_and_the_loop():
 
 @pytest.mark.parametrize("path", [("loop", ()), ("pallas", ())], ids=["loop", "pallas"])
 def test_compact_verification_decides_as_with_stored_logits(path):
-  # 64 rows (on the kernel form: the XLA-draw threshold, so compact mode's in-kernel draws are
-  # forced), a quarter greedy, some top-k, verify lengths and a stop token; the target leans
+  # 64 rows (on the kernel form: the draws in the chosen tiles, `fused_step.chosen_tile_draws`,
+  # from this size on), a quarter greedy, some top-k, verify lengths and a stop token; the target leans
   # towards the drafts so rounds end at every position. The two blocks must give the same
   # AcceptResult, field for field; also with verify_arrays under the user's own jit.
   batch, gamma, vocab, rank = 64, 4, 256, 16
@@ -132,6 +140,8 @@ def test_compact_verification_decides_as_with_stored_logits(path):
         head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"], r["seeds"],
         r["positions"], jax.random.key(1), kind="vanilla", greedy_only=False, form=form,
         pallas_options=options, store_logits=store_logits)
+    if not store_logits:
+      corrected = corrected.with_inputs(base, head.arrays()["w2"])
     blocks.append(proposal.DraftBlock(tokens=tokens, corrected_logits=corrected,
                                       greedy_mask=r["greedy"], temperatures=r["temperature"],
                                       confidence=None))
@@ -160,7 +170,6 @@ def test_compact_verification_decides_as_with_stored_logits(path):
 @pytest.mark.parametrize("options,match", [
     ((("hopper", True),), "hopper does not take store_logits=False"),
     ((("persistent", True),), "persistent does not take store_logits=False"),
-    ((("draws", False),), "draws=False needs the stored logits"),
 ])
 def test_compact_mode_names_the_kernel_settings_it_cannot_take(options, match):
   head, _, base, _, params = _inputs("vanilla", jnp.float32)
@@ -199,6 +208,12 @@ def test_draft_sampler_compact_blocks_pad_recompute_and_never_recompile():
   finally:
     jax.monitoring.clear_event_listeners()
   assert compiles == [] and compact.compilations == programs
+
+
+def test_compact_logits_without_inputs_name_what_is_missing():
+  law = proposal.CompactLogits(token_log_q=jnp.zeros((2, 3)), vectors=jnp.zeros((2, 3, 4)))
+  with pytest.raises(ValueError, match="base_logits and w2 are not attached; call with_inputs"):
+    law.rows(jnp.zeros((2,), jnp.int32))
 
 
 def test_bad_compact_block_is_rejected_by_verify():
