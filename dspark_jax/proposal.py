@@ -19,6 +19,11 @@ Two paths run the same step function (`_block_step`) and give bit-identical resu
 * **eager** (`sample_block_eager`): a Python loop calling the compiled step γ times: the reference, and
   the fallback for mixed batches when the memory gate disables the folded sampling variant.
 
+``store_logits=False`` (both paths, every form but the Hopper and persistent kernels) keeps a
+`CompactLogits` instead of the [B, γ, V] corrected logits: each token's ``log q`` and what recomputes
+any row bit for bit, for the verifier's one row per request. The same tokens; less memory; on an
+H200 not faster (BENCHMARKS.md, issue 6, version 22).
+
 Randomness: draft token k of row b uses the stream of ``(key, seed_b, positions_b + k, Stream.DRAFT)``,
 where ``positions`` holds the anchors' absolute positions. So block sampling at step k draws exactly
 what ``sample_step(L_k, params, key, positions + k)`` would.
@@ -268,7 +273,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to
   128 rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
   kernel settings are given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
-  takes it only when asked (its first form was not faster; the present one is not yet timed).
+  takes it only when asked (no form of it has been faster than the Triton kernel on an H200).
 
   ``store_logits=False`` (sampling variant, the per-step Triton kernel only) writes no corrected
   logits but each tile's log-mass; with per-tile draws also each draw's logit, else
