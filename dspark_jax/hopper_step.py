@@ -34,10 +34,19 @@ The sampling kernel is opt-in (``(("hopper", True),)``). Its first form (whole 1
 per stage, two stages, up to 64 rows at r = 256) was no faster than the Triton kernel at B = 64:
 its step kernel took 32 µs, 1.4x its own traffic floor, with one tile's copies in flight (version
 20). The present form stages 64-column parts and writes each part's logits back over its U_k
-part, so 128 rows fit three stages and 64 rows four (`sampling_stages`); it is exact in the
-interpreter and lowers for CUDA, but has not run on a GPU yet (version 21). Tests run both
-kernels in Mosaic GPU's CPU interpreter, where they equal the loop form bit for bit.
-`scripts/hopper_probe.py` times the greedy kernel.
+part, so 128 rows fit three stages and 64 rows four (`sampling_stages`). On an H200 it is exact
+(tokens and corrected logits equal to the Triton kernel's) but slower than the Triton kernel
+(session 7, 2026-11-30). Alone, one warpgroup's step kernel took 50 µs at B = 64 and 107 µs at
+B = 128 (V = 129280; 2.1x and 3.4x its traffic floor): twice the time for twice the rows per
+thread, with no register spills (ptxas: 255 registers), so that warpgroup's epilogue, in series
+with its waits, sets the pace, not the copies (refilling a slot after the next part's store
+instead of waiting for the last store, and W2 slots as soon as the tensor cores are done with
+them, made it slower: 54-63 µs at B = 64). From 128 rows two warpgroups split the rows
+(`sampling_partials`' `consumers`): the block took 698 µs (V = 129280) and 733 µs (V = 151936)
+against the Triton kernel's 505 and 567 µs in the same run, and 767 and 828 µs with one
+warpgroup in an earlier run that day (Triton 502 and 557 µs). Tests run both kernels in Mosaic
+GPU's CPU interpreter, where they equal the loop form bit for bit (the two-warpgroup form only
+when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the greedy kernel.
 """
 
 from __future__ import annotations
@@ -132,13 +141,15 @@ def _best_over_tiles(per_program, tile_pair):
   return lax.fori_loop(1, per_program, visit, tile_pair(0))
 
 
-def _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, program):
-  """Writes an instance's [B] pairs (keys as float32 values) to row `program` of the outputs."""
+def _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, program, rows=None):
+  """Writes an instance's [B] pairs (keys as float32 values) to row `program` of the outputs
+  (`rows`: those columns of it only)."""
   key_smem[...] = fused_step.key_value(best)
   token_smem[...] = token
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(key_smem, key_gmem.at[program])
-  plgpu.copy_smem_to_gmem(token_smem, token_gmem.at[program])
+  at = program if rows is None else (program, rows)
+  plgpu.copy_smem_to_gmem(key_smem, key_gmem.at[at])
+  plgpu.copy_smem_to_gmem(token_smem, token_gmem.at[at])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -244,7 +255,7 @@ def sampling_stages(batch: int, rank: int, itemsize: int = 2, most: int = 4) -> 
 
 
 def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_noise, *, step,
-                      programs=None, stages=None, interpret=False):
+                      programs=None, stages=None, consumers=None, reread=True, interpret=False):
   """One sampling-variant step: writes step `step`'s corrected logits into `corrected` and returns
   each instance's best (key, token) pair per row over its vocabulary tiles.
 
@@ -259,6 +270,15 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
   `sampling.tokens_in_chosen_tiles` then draws inside a sampled row's tile. A part's corrected
   logits are written back over its U_k part in shared memory and stored from there by TMA.
 
+  One consumer warpgroup (`consumers` = 1) does all of an instance's work, one part after the
+  other: at part n it waits for the previous part's store to have read its slot, refills that slot
+  with part n + stages - 1 (W2, U_k and the tile's noise on one barrier) and waits for part n.
+  Two (`consumers` = 2, B a multiple of 128) split the rows, 64 each, over shared W2 parts: a W2
+  slot is refilled once both have multiplied with it; each consumer has its own U_k slots, refilled
+  after the part's store and the tile's statistics are done with them (the store just issued is
+  not waited for), and its own stores. The epilogue (rounding, integer keys, exp) runs on 128
+  threads per consumer, so the second halves its per-thread work at B = 128.
+
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
       (`sampling_stages`: up to 128 rows at r = 256).
@@ -269,7 +289,12 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
     tile_noise: [γ, V/c, B] float32, the tile-choice Gumbel noise (`sampling.tile_noise`'s first
       V/c values per row, tile-major so that each tile's column is one copy).
     step, programs, interpret: as in `greedy_partials`. stages: static parts whose copies are in
-      flight at once (None: the most that fit, up to 4).
+      flight at once (None: the most that fit, up to 4; two consumers need >= 2 and a tile's
+      parts).
+    consumers: static warpgroups splitting the rows, 1 or 2 (None: 2 where B is a multiple of
+      128, except in the interpreter, whose threads can stall one another on a small host).
+    reread: static, two consumers: the tile's exp sum reads the parts' rounded logits back from
+      shared memory (else the first part's stay in registers while the second is computed).
 
   Returns:
     ``(program_key [P, B] float32, program_token [P, B] int32)``.
@@ -282,15 +307,85 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
   itemsize = jnp.dtype(w2.dtype).itemsize
   if stages is None:
     stages = max(sampling_stages(rows, rank, itemsize), 1)
+  if consumers is None:
+    consumers = 2 if rows % (2 * ROW_BLOCK) == 0 and not interpret else 1
   tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
+  if consumers not in (1, 2) or rows % (consumers * ROW_BLOCK):
+    raise ValueError(f"consumers: expected 1, or 2 with B a multiple of {2 * ROW_BLOCK}, got "
+                     f"{consumers} for B = {rows}")
   need = sampling_smem_bytes(rows, rank, stages, itemsize)
   if need > SMEM_BYTES:
     raise ValueError(f"v: {rows} rows with r = {rank} and {stages} stages need {need} bytes of "
                      f"shared memory, more than {SMEM_BYTES}")
   parts = tile // PART
-  v = v.astype(w2.dtype)
-  row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
+  if consumers == 2 and stages < max(parts, 2):  # a slot is refilled after the next part's store
+    raise ValueError(f"stages: two consumers need >= {max(parts, 2)} for {tile}-column tiles, "
+                     f"got {stages}")
+  geometry = dict(rows=rows, tile=tile, parts=parts, tiles=tiles, programs=programs,
+                  per_program=per_program, stages=stages, step=step, interpret=interpret,
+                  row_layout=None if interpret else plgpu.Layout.WGMMA.reduce(1))
+  if consumers == 1:
+    kernel, barriers = _one_consumer(**geometry)
+  else:
+    kernel, barriers = _two_consumers(reread=reread, **geometry)
 
+  logits_dtype = base_logits.dtype
+  scratch = [
+      plgpu.SMEM((rows, rank), w2.dtype, transforms=_swizzled(rank, itemsize, interpret)),
+      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
+      plgpu.SMEM((stages, rank, PART), w2.dtype, transforms=_swizzled(PART, itemsize, interpret)),
+      plgpu.SMEM((stages, rows, PART), logits_dtype,
+                 transforms=_swizzled(PART, jnp.dtype(logits_dtype).itemsize, interpret)),
+      plgpu.SMEM((stages, rows), jnp.float32),
+      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
+      plgpu.Barrier(num_arrivals=3, num_barriers=1),  # v, temperature, greedy
+  ] + barriers
+  out_type = [jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+              jax.ShapeDtypeStruct((programs, rows), jnp.int32)]
+  threads = {"num_threads": consumers, "thread_name": "consumer"} if consumers > 1 else {}
+
+  def body(corrected_ref, *refs):  # scratch as in plgpu.kernel, which takes no refs
+    pl.run_scoped(functools.partial(kernel, corrected_ref, *refs), *scratch,
+                  collective_axes="consumer" if consumers > 1 else ())
+
+  run = pl.kernel(body, out_type=out_type,
+                  mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",), **threads),
+                  **({"interpret": _interpret_params()} if interpret else {}))
+  return tuple(run(corrected, v.astype(w2.dtype), w2, base_logits,
+                   temperature.astype(jnp.float32), greedy.astype(jnp.int32), tile_noise))
+
+
+def _load_rows(ref, row_layout, interpret):
+  """A [rows] vector in the layout of a row reduction of the accumulator."""
+  return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
+
+
+def _tile_score(xs, best, temp, noise_ref, load_rows):
+  """(tile max, a sampled row's tile score) from `xs()`, the tile's parts' float32 logits, and its
+  max key: `sampling.tile_log_mass` (the sum taken part by part) plus the tile's noise, which
+  `load_rows` reads from `noise_ref()`."""
+  tile_max = fused_step.key_value(best)
+  xs = xs()
+  shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
+  mass = sum(jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
+                             - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
+             for x in xs)
+  noise = noise_ref()
+  return tile_max, shift + jnp.log(mass) + load_rows(noise)
+
+
+def _first_of_parts(pairs):
+  """A tile's (max key, first column) from its parts' pairs in column order (ties: the earlier)."""
+  best, first = pairs[0]
+  for part_best, part_first in pairs[1:]:
+    later = part_best > best
+    best, first = jnp.where(later, part_best, best), jnp.where(later, part_first, first)
+  return best, first
+
+
+def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, step, interpret,
+                  row_layout):
+  """`sampling_partials`' kernel for one warpgroup, and its barriers."""
   def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, noise_gmem,
              key_gmem, token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, noise_smem,
              key_smem, token_smem, v_barrier, in_barriers):
@@ -307,9 +402,6 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
       plgpu.copy_gmem_to_smem(noise_gmem.at[step, tile_of(n // parts)], noise_smem.at[slot],
                               in_barriers.at[slot])
 
-    def load_rows(ref):  # a [B] vector in the layout of a row reduction of the accumulator
-      return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
-
     def part_logits(n):
       """Part n's corrected logits, [B, PART] float32, once its copies landed (also stored)."""
       slot = _next_slot(n, stages, per_program * parts, fetch, in_barriers)
@@ -325,23 +417,14 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
 
     def tile_pair(i, temp, greedy_rows):
       """Tile i's (key, token) per row."""
-      xs, best, first = [], None, None
+      xs, pairs = [], []
       for h in range(parts):
         x, slot = part_logits(i * parts + h)
-        part_best, part_first = _first_max(x, tile_of(i) * tile + h * PART, interpret)
-        if h == 0:
-          best, first = part_best, part_first
-        else:  # parts come in column order: ties keep the earlier one
-          later = part_best > best
-          best, first = jnp.where(later, part_best, best), jnp.where(later, part_first, first)
+        pairs.append(_first_max(x, tile_of(i) * tile + h * PART, interpret))
         xs.append(x)
-      tile_max = fused_step.key_value(best)
-      # sampling.tile_log_mass, the sum taken part by part
-      shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
-      mass = sum(jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
-                                 - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
-                 for x in xs)
-      score = shift + jnp.log(mass) + load_rows(noise_smem.at[slot])
+      best, first = _first_of_parts(pairs)
+      tile_max, score = _tile_score(lambda: xs, best, temp, lambda: noise_smem.at[slot],
+                                    lambda ref: _load_rows(ref, row_layout, interpret))
       greedy_row = greedy_rows != 0
       key = jnp.where(greedy_row, tile_max, score)
       return fused_step.order_keys(key), jnp.where(greedy_row, first, tile_of(i) * tile)
@@ -352,34 +435,133 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, tile_n
     for n in range(min(stages - 1, per_program * parts)):
       fetch(n)
     plgpu.barrier_wait(v_barrier.at[0])
-    temp, greedy_rows = load_rows(temp_smem), load_rows(greedy_smem)
-
+    temp = _load_rows(temp_smem, row_layout, interpret)
+    greedy_rows = _load_rows(greedy_smem, row_layout, interpret)
     best, token = _best_over_tiles(per_program, lambda i: tile_pair(i, temp, greedy_rows))
     _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, program)
 
-  logits_dtype = base_logits.dtype
-  scratch = [
-      plgpu.SMEM((rows, rank), w2.dtype, transforms=_swizzled(rank, itemsize, interpret)),
-      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
-      plgpu.SMEM((stages, rank, PART), w2.dtype, transforms=_swizzled(PART, itemsize, interpret)),
-      plgpu.SMEM((stages, rows, PART), logits_dtype,
-                 transforms=_swizzled(PART, jnp.dtype(logits_dtype).itemsize, interpret)),
-      plgpu.SMEM((stages, rows), jnp.float32),
-      plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((rows,), jnp.int32),
-      plgpu.Barrier(num_arrivals=3, num_barriers=1),
-      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-  ]
-  out_type = [jax.ShapeDtypeStruct((programs, rows), jnp.float32),
-              jax.ShapeDtypeStruct((programs, rows), jnp.int32)]
+  return kernel, [plgpu.Barrier(num_arrivals=3, num_barriers=stages)]
 
-  def body(corrected_ref, *refs):  # scratch as in plgpu.kernel, which takes no refs
-    pl.run_scoped(functools.partial(kernel, corrected_ref, *refs), *scratch)
 
-  run = pl.kernel(body, out_type=out_type,
-                  mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
-                  **({"interpret": _interpret_params()} if interpret else {}))
-  return tuple(run(corrected, v, w2, base_logits, temperature.astype(jnp.float32),
-                   greedy.astype(jnp.int32), tile_noise))
+def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, step, interpret,
+                   row_layout, reread):
+  """`sampling_partials`' kernel for two warpgroups splitting the rows, and its barriers."""
+  total = per_program * parts  # parts an instance visits
+  share = rows // 2            # rows per consumer
+
+  def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, noise_gmem,
+             key_gmem, token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, noise_smem,
+             key_smem, token_smem, v_barrier, w2_barriers, u_barriers, w2_free):
+    program = lax.axis_index("program")
+    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)  # as in greedy_partials
+    columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
+
+    def fetch_w2(n):  # part n's W2 columns, into slot n % stages
+      slot = lax.rem(n, stages)
+      plgpu.copy_gmem_to_smem(w2_gmem.at[:, columns(n)], w2_smem.at[slot], w2_barriers.at[slot])
+
+    def fetch_u(c, n):  # consumer c's rows of part n's U_k and of its tile's noise
+      slot, mine = lax.rem(n, stages), pl.ds(c * share, share)
+      barrier = u_barriers.at[c * stages + slot]
+      plgpu.copy_gmem_to_smem(base_gmem.at[mine, step, columns(n)], u_smem.at[slot, mine],
+                              barrier)
+      plgpu.copy_gmem_to_smem(noise_gmem.at[step, tile_of(n // parts), mine],
+                              noise_smem.at[slot, mine], barrier)
+
+    def load_part(ref):  # [share, PART] of the logits' dtype, in the accumulator's layout
+      return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+    def consumer(c):
+      mine = pl.ds(c * share, share)
+
+      def refill_u(m):
+        """Part m's U_k slot takes part m + stages: all stores but the last issued have read."""
+        @pl.when(m + stages < total)
+        def _():
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          fetch_u(c, m + stages)
+
+      def part(n, col0):
+        """Part n's (max key, first column) per row and float32 logits, once its copies landed;
+        the logits are written over the U_k part and their store issued."""
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(w2_barriers.at[slot])
+        plgpu.barrier_wait(u_barriers.at[c * stages + slot])
+
+        def with_accumulator(acc_ref):
+          plgpu.wgmma(acc_ref, v_smem.at[mine], w2_smem.at[slot])
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(w2_free.at[slot])
+          if c == 0:  # the part before's W2 slot, which both consumers are (nearly) done with
+            @pl.when((n >= 1) & (n - 1 + stages < total))
+            def _():
+              plgpu.barrier_wait(w2_free.at[lax.rem(n - 1, stages)])
+              fetch_w2(n - 1 + stages)
+          u_part = u_smem.at[slot, mine]
+          logits = (acc_ref[...] + load_part(u_part).astype(jnp.float32)).astype(base_gmem.dtype)
+          u_part[...] = logits  # over the U_k part, which is in registers now
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[mine, step, columns(n)])
+          x = logits.astype(jnp.float32)
+          return _first_max(x, col0, interpret) + (x,)
+        return pl.run_scoped(with_accumulator, plgpu.ACC((share, PART), jnp.float32))
+
+      def tile_pair(i, temp, greedy_rows):
+        """Tile i's (key, token) per row."""
+        xs, pairs = [], []
+        for h in range(parts):
+          n = i * parts + h
+          part_best, part_first, x = part(n, tile_of(i) * tile + h * PART)
+          if h == 0:
+            @pl.when(i >= 1)  # the tile before's last part: its slot is done with
+            def _():
+              refill_u(n - 1)
+          pairs.append((part_best, part_first))
+          xs.append(x)
+        best, first = _first_of_parts(pairs)
+
+        def logits():
+          if not reread:
+            return xs
+          return [load_part(u_smem.at[lax.rem(i * parts + h, stages), mine]).astype(jnp.float32)
+                  for h in range(parts)]  # the rounded logits, in shared memory over U_k
+        tile_max, score = _tile_score(  # the tile's noise came with its last part
+            logits, best, temp,
+            lambda: noise_smem.at[lax.rem(i * parts + parts - 1, stages), mine],
+            lambda ref: _load_rows(ref, row_layout, interpret))
+        for h in range(parts - 1):  # the tile's other parts' slots are done with
+          refill_u(i * parts + h)
+        greedy_row = greedy_rows != 0
+        key = jnp.where(greedy_row, tile_max, score)
+        return fused_step.order_keys(key), jnp.where(greedy_row, first, tile_of(i) * tile)
+
+      for n in range(min(stages, total)):
+        fetch_u(c, n)
+      plgpu.barrier_wait(v_barrier.at[0])
+      temp = _load_rows(temp_smem.at[mine], row_layout, interpret)
+      greedy_rows = _load_rows(greedy_smem.at[mine], row_layout, interpret)
+      best, token = _best_over_tiles(per_program, lambda i: tile_pair(i, temp, greedy_rows))
+      if c == 0:  # observe the W2 slots' last releases, which no refill waited for
+        for m in range(max(total - stages, 0), total):
+          plgpu.barrier_wait(w2_free.at[m % stages])
+      _store_pairs(best, token, key_smem.at[mine], token_smem.at[mine], key_gmem, token_gmem,
+                   program, mine)
+
+    which = lax.axis_index("consumer")
+
+    @pl.when(which == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(v_gmem, v_smem, v_barrier.at[0])
+      plgpu.copy_gmem_to_smem(temp_gmem, temp_smem, v_barrier.at[0])
+      plgpu.copy_gmem_to_smem(greedy_gmem, greedy_smem, v_barrier.at[0])
+      for n in range(min(stages, total)):
+        fetch_w2(n)
+    for c in range(2):
+      pl.when(which == c)(functools.partial(consumer, c))
+
+  return kernel, [plgpu.Barrier(num_arrivals=1, num_barriers=stages),       # W2 parts
+                  plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),   # U_k and noise
+                  plgpu.Barrier(num_arrivals=2, num_barriers=stages)]       # W2 slots used
 
 
 def new_corrected(shape, dtype):

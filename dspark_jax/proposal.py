@@ -271,8 +271,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
   corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to
-  128 rows). Greedy-only blocks take it by default where `hopper_by_default` says so and no Triton
-  kernel settings are given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
+  128 rows; ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups). Greedy-only
+  blocks take it by default where `hopper_by_default` says so and no Triton kernel settings are
+  given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
   takes it only when asked (no form of it has been faster than the Triton kernel on an H200).
 
   ``store_logits=False`` (sampling variant, the per-step Triton kernel only) writes no corrected
@@ -292,7 +293,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
                        and hopper_by_default(batch, vocab, head_params["w2"].dtype,
                                              base_logits.dtype))
-  hopper_settings = {"tile", "stages", "programs"} if greedy_only else {"stages", "programs"}
+  hopper_settings = ({"tile", "stages", "programs"} if greedy_only
+                     else {"stages", "programs", "consumers", "reread"})
   if compact and (hopper or persistent):
     raise ValueError(f"pallas_options: {'hopper' if hopper else 'persistent'} does not take "
                      "store_logits=False (the per-step Triton kernel does)")

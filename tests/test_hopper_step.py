@@ -198,6 +198,38 @@ def test_hopper_sampling_block_law():
                        what="hopper vs 1.15 T")
 
 
+@pytest.mark.parametrize("reread", [True, False])
+def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
+  # The 128-row form on the GPU: two warpgroups, 64 rows each, over shared W2 parts. Called
+  # directly (inside a folded block the interpreter's two threads can stall on a 2-CPU host), at
+  # V = 1280 (ten 128-column tiles over 4 instances), with an all -inf row, a NaN, an exact tie
+  # across two tiles and greedy and sampled rows: keys, tokens and the corrected logits it writes
+  # equal the one-warpgroup kernel's bit for bit (CPU interpreter; on a GPU too, the same WGMMA).
+  batch, rank, vocab, gamma, step = 128, 64, 1280, 2, 1
+  v, w2, base = _inputs(batch, rank, vocab, gamma, seed=4)
+  v = v.at[:4].set(0)  # rows 0-3: corrected = base exactly
+  base = base.at[0].set(-jnp.inf).at[1, :, 1100].set(jnp.nan).at[2:4, step].set(0.0)
+  base = base.at[2:4, step, [70, 1250]].set(4.0)
+  temperature = jnp.tile(jnp.array([0.5, 1.0, 2.0, 1.0]), batch // 4)
+  greedy = (jnp.arange(batch) % 4 == 3).astype(jnp.int32)
+  noise = jax.random.gumbel(jax.random.key(5), (gamma, vocab // 128, batch), jnp.float32)
+
+  def run(consumers):
+    def kernel():
+      corrected = hopper_step.new_corrected(base.shape, base.dtype)
+      keys, tokens = hopper_step.sampling_partials(
+          v, w2, base, corrected, temperature, greedy, noise, step=step, programs=4,
+          consumers=consumers, reread=reread, interpret=CPU)
+      return keys, tokens, jax.freeze(corrected)[:, step].astype(jnp.float32)
+    return [np.asarray(x) for x in jax.jit(kernel)()]  # float32: NumPy matches NaN with NaN
+
+  for one, two in zip(run(1), run(2)):
+    np.testing.assert_array_equal(one, two)
+  with pytest.raises(ValueError, match="consumers: expected 1, or 2 with B a multiple of 128"):
+    hopper_step.sampling_partials(v[:64], w2, base[:64], None, temperature[:64], greedy[:64],
+                                  noise[:, :, :64], step=step, consumers=2, interpret=CPU)
+
+
 def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
   # 128 rows at r = 256 fit three stages of 64-column parts (`sampling_stages`), not four.
   assert hopper_step.sampling_stages(128, 256) == 3 and hopper_step.sampling_stages(64, 256) == 4
