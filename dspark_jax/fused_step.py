@@ -225,6 +225,24 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   jax.lax.fori_loop(0, tiles_per_program, body, 0)
 
 
+def _usable_chunk(k_chunk, rank):
+  """The rank chunk of the kernel's loop over r, or None (one dot) where it does not divide r."""
+  return None if k_chunk is None or rank % k_chunk or k_chunk < MIN_TILE else k_chunk
+
+
+def _head_inputs(v, w1, w2):
+  """The kernels' first inputs: the tokens and W1 (gathered in the kernel), or the vectors; W2."""
+  if w1 is None:
+    return [v.astype(w2.dtype), w2]
+  return [v.astype(jnp.int32), w1, w2]
+
+
+def _compiler_params(num_warps, num_stages):
+  params = {name: value for name, value in (("num_warps", num_warps),
+                                             ("num_stages", num_stages)) if value}
+  return plgpu.CompilerParams(**params) if params else None
+
+
 class StepStats(NamedTuple):
   """What `step_stats` returns: per row and vocabulary tile, [B, V/c] (``corrected`` aside).
 
@@ -302,15 +320,12 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
   store_logits = store_logits or greedy_only
   rows = rows or row_block(batch)
-  if k_chunk is not None and (rank % k_chunk or k_chunk < MIN_TILE):
-    k_chunk = None
+  k_chunk = _usable_chunk(k_chunk, rank)
   blocks = -(-batch // rows)
   tiles = vocab // tile
   stat = lambda dtype: jax.ShapeDtypeStruct((blocks * rows, tiles), dtype)
   out_shape = [stat(jnp.float32), stat(jnp.int32)]
-  inputs = [v.astype(jnp.int32) if w1 is not None else v.astype(w2.dtype)]
-  inputs += [] if w1 is None else [w1]
-  inputs += [w2, base_logits, temperature.astype(jnp.float32)]
+  inputs = _head_inputs(v, w1, w2) + [base_logits, temperature.astype(jnp.float32)]
   aliases = {}
   if not greedy_only:
     inputs += [noise, greedy.astype(jnp.int32)]
@@ -322,12 +337,10 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       inputs.append(corrected)
       aliases = {len(inputs) - 1: 0}
   groups = -(-tiles // tiles_per_program)
-  params = {name: value for name, value in (("num_warps", num_warps),
-                                             ("num_stages", num_stages)) if value}
   outs = pl.pallas_call(
       functools.partial(_kernel, gathers=w1 is not None, greedy_only=greedy_only, draws=draws,
-                        store_logits=store_logits, step=step, batch=batch, rows=rows, tile=tile, k_chunk=k_chunk, tiles=tiles,
-                        tiles_per_program=tiles_per_program,
+                        store_logits=store_logits, step=step, batch=batch, rows=rows, tile=tile,
+                        k_chunk=k_chunk, tiles=tiles, tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints,
                         late_base=late_base),
       grid=(blocks, groups),
@@ -335,7 +348,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       out_specs=[pl.no_block_spec] * len(out_shape),
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(**params) if params else None,
+      compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
   )(*inputs)
   cut = lambda x: x[:batch]
@@ -386,13 +399,9 @@ def chosen_tile_draws(v, w2, base_logits, temperature, noise, greedy, chosen, *,
   rank, vocab = w2.shape
   tile = sampling.vocab_tile(vocab)
   rows = rows or row_block(batch)
-  k_chunk = k_chunk if k_chunk is not None and not (rank % k_chunk or k_chunk < MIN_TILE) else None
-  inputs = [v.astype(jnp.int32) if w1 is not None else v.astype(w2.dtype)]
-  inputs += [] if w1 is None else [w1]
-  inputs += [w2, base_logits, temperature.astype(jnp.float32), noise, greedy.astype(jnp.int32),
-             chosen.astype(jnp.int32)]
-  params = {name: value for name, value in (("num_warps", num_warps),
-                                             ("num_stages", num_stages)) if value}
+  k_chunk = _usable_chunk(k_chunk, rank)
+  inputs = _head_inputs(v, w1, w2) + [base_logits, temperature.astype(jnp.float32), noise,
+                                      greedy.astype(jnp.int32), chosen.astype(jnp.int32)]
   out_shape = [jax.ShapeDtypeStruct((batch, rows), jnp.int32),
                jax.ShapeDtypeStruct((batch, rows), jnp.float32)]
   token, logit = pl.pallas_call(
@@ -403,7 +412,7 @@ def chosen_tile_draws(v, w2, base_logits, temperature, noise, greedy, chosen, *,
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * 2,
       out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(**params) if params else None,
+      compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
   )(*inputs)
   lane = jnp.arange(batch) % rows  # row b is lane b mod rows of its block
