@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--repeats", type=int, default=30,
                       help=f"timed calls per measurement, >= {MIN_REPEATS} (default 30)")
   parser.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+  parser.add_argument("--calls", type=int, default=PIPELINE_CALLS,
+                      help=f"back-to-back calls per timed burst (default {PIPELINE_CALLS})")
   parser.add_argument("--small", action="store_true",
                       help="CPU smoke mode: vocab 4096, batch 1,8, repeats 20 (overrides those)")
   parser.add_argument("--json", metavar="PATH", help="also write all results as JSON to PATH")
@@ -159,14 +161,22 @@ def copy_bandwidth(platform: str, repeats: int, warmup: int) -> tuple[float, int
   best = 0.0
   for dtype, fn in kernels:
     x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
-    seconds = pipelined_seconds(jax.jit(fn), (x,), repeats, warmup, calls=5)
+    seconds = pipelined_seconds(jax.jit(fn), (x,), repeats, warmup, calls=20)
     best = max(best, 2 * nbytes / seconds)
     del x
   return best, nbytes
 
 
-def pipelined_seconds(fn, args, repeats: int, warmup: int, calls: int = 10) -> float:
-  """Median per-call seconds of `calls` back-to-back calls (one sync at the end): device time."""
+PIPELINE_CALLS = 50
+"""Back-to-back calls per timed burst. Each burst costs about 0.3 ms on the H200 that the GPU does
+not spend on the calls: it idles until the host has dispatched the first few (traced with
+``trace_sampler.py --b2b``; BENCHMARKS.md, issue 6, session 8). 50 calls leave ~6 µs of it per call;
+issue 6's runs before session 8 used 10 (~30 µs per call)."""
+
+
+def pipelined_seconds(fn, args, repeats: int, warmup: int, calls: int = PIPELINE_CALLS) -> float:
+  """Median per-call seconds of `calls` back-to-back calls (one sync at the end): device time,
+  plus 1/`calls` of the burst's start-up (`PIPELINE_CALLS`)."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -261,8 +271,10 @@ def bench_shape(vocab: int, batch: int, args, dtype, bandwidth: float, report: R
   folded_s = timed(lambda: sampling_exe(*mixed_args))
   greedy_s = timed(lambda: greedy_exe(*greedy_args))
   # Back-to-back calls hide launch and sync latency: closer to what a compiled decoding loop sees.
-  folded_pipe_s = pipelined_seconds(sampling_exe, mixed_args, args.repeats, args.warmup)
-  greedy_pipe_s = pipelined_seconds(greedy_exe, greedy_args, args.repeats, args.warmup)
+  folded_pipe_s = pipelined_seconds(sampling_exe, mixed_args, args.repeats, args.warmup,
+                                    args.calls)
+  greedy_pipe_s = pipelined_seconds(greedy_exe, greedy_args, args.repeats, args.warmup,
+                                    args.calls)
   propose_s = timed(lambda: sampler.propose(base_logits, anchor, None, mixed, key, positions))
   eager_s = timed(lambda: proposal.sample_block_eager(head, base_logits, anchor, None, mixed, key,
                                                       positions))
@@ -273,7 +285,8 @@ def bench_shape(vocab: int, batch: int, args, dtype, bandwidth: float, report: R
     torch_run = torch_reference.time_cuda_graph(
         np.asarray(head.arrays()["w1"], np.float32), np.asarray(head.arrays()["w2"], np.float32),
         np.asarray(base_logits.astype(jnp.float32)), np.asarray(anchor),
-        np.asarray(mixed.temperature), repeats=args.repeats, warmup=args.warmup)
+        np.asarray(mixed.temperature), repeats=args.repeats, warmup=args.warmup,
+        replays_per_sample=args.calls)
     torch_us = torch_run["us"]
 
   temp, greedy_temp = temp_bytes(sampling_exe), temp_bytes(greedy_exe)

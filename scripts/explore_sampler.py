@@ -39,9 +39,12 @@ import bench_sampler  # noqa: E402
 import torch_reference  # noqa: E402
 
 
-def b2b_seconds(fn, args, repeats=20, warmup=3, calls=10):
+CALLS = bench_sampler.PIPELINE_CALLS  # back-to-back calls per timed burst (--calls)
+
+
+def b2b_seconds(fn, args, repeats=20, warmup=3, calls=None):
   """Median per-call seconds of back-to-back calls (bench_sampler's "b2b" measure)."""
-  return bench_sampler.pipelined_seconds(fn, args, repeats, warmup, calls)
+  return bench_sampler.pipelined_seconds(fn, args, repeats, warmup, calls or CALLS)
 
 
 def chained_program(calls, **block_options):
@@ -67,7 +70,7 @@ def bandwidth(nbytes):
   for _ in range(2000 if jax.default_backend() == "gpu" else 1):
     y = copy(x)
   jax.block_until_ready(y)
-  return 2 * nbytes / b2b_seconds(copy, (x,), calls=5)
+  return 2 * nbytes / b2b_seconds(copy, (x,), calls=20)
 
 
 PART_OPTIONS = {  # kernel options for --parts, by name
@@ -173,7 +176,11 @@ def main(argv=None):
   parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch CUDA graph")
   parser.add_argument("--in-program", type=int, default=0, metavar="N",
                       help="also time N calls chained inside one program (per call)")
+  parser.add_argument("--calls", type=int, default=CALLS,
+                      help="back-to-back calls per timed burst (default %(default)s; see "
+                           "bench_sampler.PIPELINE_CALLS)")
   args = parser.parse_args(argv)
+  globals()["CALLS"] = args.calls
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
   if args.tune:
@@ -235,8 +242,9 @@ def main(argv=None):
           if args.in_program:
             chain = chained_program(args.in_program, greedy_only=greedy_only, form=form,
                                     pallas_options=options).lower(*call_args).compile()
+            bursts = max(1, CALLS // args.in_program)  # about CALLS sampler calls per burst
             row[f"{name} in-program"] = b2b_seconds(chain, call_args, repeats=args.repeats,
-                                                    calls=3) / args.in_program
+                                                    calls=bursts) / args.in_program
         except Exception as error:  # an experiment: report and go on
           row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:300]}"
       print({k: (f"{v * 1e6:.1f}us" if isinstance(v, float) and k not in ("V", "B")
@@ -246,7 +254,8 @@ def main(argv=None):
           run = torch_reference.time_cuda_graph(
               np.asarray(head.arrays()["w1"], np.float32),
               np.asarray(head.arrays()["w2"], np.float32), np.asarray(base.astype(jnp.float32)),
-              np.asarray(r["anchor"]), temperature, repeats=args.repeats)
+              np.asarray(r["anchor"]), temperature, repeats=args.repeats,
+              replays_per_sample=CALLS)
           row["torch graph"] = run["us"] * 1e-6
         except Exception as error:
           row["torch error"] = f"{type(error).__name__}: {str(error)[:300]}"

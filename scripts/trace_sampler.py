@@ -89,6 +89,12 @@ def main(argv=None):
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--rank", type=int, default=256)
   parser.add_argument("--out", default=None, help="folder for the trace (default: a temporary one)")
+  parser.add_argument("--in-program", type=int, default=0, metavar="N",
+                      help="trace N calls chained inside one program instead "
+                           "(explore_sampler.chained_program)")
+  parser.add_argument("--b2b", type=int, default=0, metavar="N",
+                      help="also trace N back-to-back calls: per call, its start-to-start time, "
+                           "its kernels' time and the idle time before it")
   args = parser.parse_args(argv)
   head = heads.MarkovHead.random("vanilla", vocab_size=args.vocab, rank=args.rank,
                                  rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
@@ -99,10 +105,14 @@ def main(argv=None):
                             np.full(batch, 1000))
   call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
                               r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
-  compiled = proposal.folded_block.lower(
-      *call_args, kind="vanilla", greedy_only=args.greedy_only, form=args.form.split("-")[0],
-      pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ()),
-      store_logits=not args.compact).compile()
+  options = dict(greedy_only=args.greedy_only, form=args.form.split("-")[0],
+                 pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ()),
+                 store_logits=not args.compact)
+  if args.in_program:
+    compiled = explore_sampler.chained_program(args.in_program, **options).lower(
+        *call_args).compile()
+  else:
+    compiled = proposal.folded_block.lower(*call_args, kind="vanilla", **options).compile()
   b2b = explore_sampler.b2b_seconds(compiled, call_args)
   out = args.out or tempfile.mkdtemp()
   with jax.profiler.trace(out, create_perfetto_trace=True):
@@ -130,6 +140,38 @@ def main(argv=None):
     by_name[name[:60]].append(duration)
   print("  by kernel: " + "; ".join(f"{n} x{len(d)} {sum(d):.1f}" for n, d in
                                     sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]))
+  if args.b2b:
+    back_to_back(compiled, call_args, args.b2b, len(kernels), tempfile.mkdtemp())
+
+
+def back_to_back(compiled, call_args, calls, per_call, out):
+  """Traces `calls` back-to-back calls of `per_call` kernels each and prints, per call, the
+  start-to-start time, the time its kernels ran and the GPU's idle time before it."""
+  with jax.profiler.trace(out, create_perfetto_trace=True):
+    time.sleep(0.02)
+    jax.block_until_ready([compiled(*call_args) for _ in range(calls)])
+  files = glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)
+  kernels = last_burst(gpu_kernel_events(max(files, key=os.path.getmtime)))
+  if len(kernels) != calls * per_call:
+    print(f"  back to back: {len(kernels)} kernels, not {calls} x {per_call}; first ones: "
+          f"{[k[2][:30] for k in kernels[:per_call + 3]]}")
+    return
+  rows, end = [], None
+  for i in range(calls):
+    call = kernels[i * per_call:(i + 1) * per_call]
+    start = call[0][0]
+    busy = sum(d for _, d, _ in call)
+    rows.append((start, busy, None if end is None else start - end,
+                 call[-1][0] + call[-1][1] - start))
+    end = call[-1][0] + call[-1][1]
+  starts = [r[0] for r in rows]
+  print(f"  back to back, {calls} calls: start-to-start "
+        f"{np.median(np.diff(starts)):.1f} µs (median), span {np.median([r[3] for r in rows]):.1f}"
+        f", kernels {np.median([r[1] for r in rows]):.1f}, idle before a call "
+        f"{np.median([r[2] for r in rows[1:]]):.1f}")
+  for start, busy, idle, span in rows:
+    print(f"    call at {start - starts[0]:8.1f} µs: span {span:6.1f}, kernels {busy:6.1f}, idle "
+          f"before {'-' if idle is None else f'{idle:.1f}'}")
 
 
 if __name__ == "__main__":
