@@ -26,7 +26,7 @@ batches only. HBM sees W2, U_k and the corrected logits once each per step, the 
 blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
 H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
 before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
-(BENCHMARKS.md, issue 6) whole programs run at 1.3-1.6x that floor for greedy-only and 1.5-2.4x
+(BENCHMARKS.md, issue 6) whole programs run at 1.2-1.35x that floor for greedy-only and 1.4-2.2x
 for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
 8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
 order like the floats (`order_keys`): Triton's float max drops NaN, and the keys need two
