@@ -55,6 +55,35 @@ def chain_kernel(programs, iterations, trigger, wait):
                                      plgpu.Barrier(num_arrivals=1, num_barriers=1)])
 
 
+def triton_chain_kernel(programs, iterations, trigger, wait):
+  """The same in Pallas' Triton lowering, with the two instructions as inline assembly that
+  passes the load's lane indices through (so it comes before the load and cannot be dropped)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  def control(instruction, lanes):  # the instruction, then the lanes unchanged
+    [same] = pltriton.elementwise_inline_asm(
+        f"{instruction} mov.b32 $0, $1;", args=[lanes], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(lanes.shape, jnp.int32)])
+    return same
+
+  def kernel(x_ref, o_ref):
+    program = pl.program_id(0)
+    lanes = lax.broadcasted_iota(jnp.int32, (x_ref.shape[1],), 0)
+    if trigger:
+      lanes = control("griddepcontrol.launch_dependents;", lanes)
+    if wait:
+      lanes = control("griddepcontrol.wait;", lanes)
+    x = pltriton.load(x_ref.at[program, lanes])
+    x = lax.fori_loop(0, iterations, lambda i, x: x * 1.0000001 + 1e-7, x)
+    o_ref[program] = x
+
+  return lambda x: pl.pallas_call(
+      kernel, grid=(programs,), in_specs=[pl.no_block_spec], out_specs=pl.no_block_spec,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=pltriton.CompilerParams(num_warps=4))(x)
+
+
 def launch_attribute_mentions():
   """jax shared libraries whose bytes mention the programmatic-serialization launch attribute."""
   import jaxlib
@@ -79,10 +108,13 @@ def main():
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {programs} instances")
   for line in launch_attribute_mentions() or ["(no jax library mentions it)"]:
     print("  " + line)
-  x = jnp.ones((programs, SIDE, SIDE), jnp.float32)
-  for trigger, wait in ((True, True), (False, True), (True, False), (False, False)):
-    first = chain_kernel(programs, 20000, trigger=trigger, wait=False)
-    second = chain_kernel(programs, 200, trigger=False, wait=wait)
+  runs = [("mosaic", t, w) for t, w in ((True, True), (False, True), (True, False), (False, False))]
+  runs += [("triton", True, True), ("triton", False, True), ("triton", False, False)]
+  for backend, trigger, wait in runs:
+    make = chain_kernel if backend == "mosaic" else triton_chain_kernel
+    first = make(programs, 20000, trigger=trigger, wait=False)
+    second = make(programs, 200, trigger=False, wait=wait)
+    x = jnp.ones((programs, SIDE, SIDE) if backend == "mosaic" else (programs, 128), jnp.float32)
     program = jax.jit(lambda x: second(first(x))).lower(x).compile()
     jax.block_until_ready(program(x))
     out = tempfile.mkdtemp()
@@ -94,11 +126,11 @@ def main():
     kernels = trace_sampler.last_burst(trace_sampler.gpu_kernel_events(
         max(files, key=os.path.getmtime)))
     if len(kernels) != 2:
-      print(f"trigger {trigger:d} wait {wait:d}: {len(kernels)} kernels: "
+      print(f"{backend}: trigger {trigger:d} wait {wait:d}: {len(kernels)} kernels: "
             f"{[(round(d, 1), n[:30]) for _, d, n in kernels]}")
       continue
     (a_start, a_dur, _), (b_start, b_dur, _) = kernels
-    print(f"A triggers {trigger:d}, B waits {wait:d}: A {a_dur:7.1f} µs, B starts "
+    print(f"{backend}: A triggers {trigger:d}, B waits {wait:d}: A {a_dur:7.1f} µs, B starts "
           f"{b_start - (a_start + a_dur):+7.1f} µs after A ends, B {b_dur:7.1f} µs "
           f"({'overlap: PDL' if b_start < a_start + a_dur else 'no overlap'})")
 
