@@ -86,6 +86,45 @@ def key_value(keys):
   return jnp.where(keys == _SIGN_FREE, jnp.nan, jax.lax.bitcast_convert_type(bits, jnp.float32))
 
 
+def pdl_supported() -> bool:
+  """Whether the default device runs programmatic dependent launch (an NVIDIA GPU, sm_90+)."""
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not capability:
+    return False
+  try:
+    return float(capability) >= 9.0
+  except ValueError:  # not a CUDA capability
+    return False
+
+
+def _launch_control(instruction, lanes, interpret):
+  """`lanes` unchanged, after the PTX `instruction` (programmatic dependent launch, sm_90+).
+
+  ``griddepcontrol.launch_dependents`` lets the stream's next kernel launch (its instances then
+  start as resources free up); ``griddepcontrol.wait`` holds the instance until the kernels
+  before it have finished and their writes are visible. XLA launches a kernel that waits so that
+  it may start early (`scripts/pdl_probe.py`). Passing the lanes through orders the instruction
+  before every load indexed by them. A no-op in the interpreter.
+  """
+  if interpret:
+    return lanes
+  [same] = plgpu.elementwise_inline_asm(
+      f"griddepcontrol.{instruction}; mov.b32 $0, $1;", args=[lanes], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(lanes.shape, lanes.dtype)])
+  return same
+
+
+def _early_lanes(count, pdl, interpret):
+  """iota(`count`), after letting the next kernel launch and, unless `pdl` is "first", waiting
+  for the kernels before (see `step_stats`)."""
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (count,), 0)
+  if not pdl:
+    return lanes
+  lanes = _launch_control("launch_dependents", lanes, interpret)
+  return lanes if pdl == "first" else _launch_control("wait", lanes, interpret)
+
+
 def _row_first_max(values, indices):
   """Per row of [R, C]: (max, index of its first occurrence), a NaN beating everything (its first).
 
@@ -99,7 +138,7 @@ def _row_first_max(values, indices):
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
-             with_law=False):
+             with_law=False, w2_first=None):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
@@ -107,7 +146,8 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   `v` is the [rows] int32 tokens whose ``W1`` rows to gather when `w1_ref` is given (rows past the
   batch read token 0), else the ref of the [B, r] vectors. `with_law` (sampling variant): also
   return each row's tile log-mass and, with `draws`, its draw's corrected logit (else None): the
-  draft law without the logits (`step_stats(store_logits=False)`).
+  draft law without the logits (`step_stats(store_logits=False)`). `w2_first`: the tile's first
+  rank chunk of W2, loaded before the kernel waited (`step_stats(prefetch=True)`).
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -140,7 +180,10 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   else:  # a loop over rank chunks lets Triton pipeline the W2 loads
     def partial_bias(kk, acc):
       return acc + dot(load_v(kk * k_chunk, k_chunk), load_w2(kk * k_chunk, k_chunk))
-    bias = jax.lax.fori_loop(0, rank // k_chunk, partial_bias, jnp.zeros((rows, tile), jnp.float32))
+    bias, first = jnp.zeros((rows, tile), jnp.float32), 0
+    if w2_first is not None:  # the same sum, its first term from the chunk loaded before
+      bias, first = bias + dot(load_v(0, k_chunk), w2_first), 1
+    bias = jax.lax.fori_loop(first, rank // k_chunk, partial_bias, bias)
   if late_base:
     base = load_base()
   corrected = (base.astype(jnp.float32) + bias).astype(base_ref.dtype)
@@ -170,17 +213,18 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   return (key, token, *law) if with_law else (key, token)
 
 
-def _block_vectors(v_ref, block, gathers, rows, batch):
+def _block_vectors(v_ref, block, gathers, rows, batch, pdl=False, interpret=False):
   """What `one_tile` takes as `v` for row block `block`: the ref of the vectors, or the block's
-  tokens whose W1 rows it gathers (rows past the batch read token 0)."""
+  tokens whose W1 rows it gathers (rows past the batch read token 0). With `pdl` the tokens are
+  read after the kernels before have finished (`_early_lanes`)."""
   if not gathers:
     return v_ref
-  valid = block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < batch
-  return plgpu.load(v_ref.at[pl.ds(block * rows, rows)], mask=valid, other=0)
+  row_ids = block * rows + _early_lanes(rows, pdl, interpret)
+  return plgpu.load(v_ref.at[row_ids], mask=row_ids < batch, other=0)
 
 
 def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_program, reverse,
-            **static):
+            pdl, prefetch, interpret, **static):
   refs = list(refs)
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
@@ -199,12 +243,17 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
     group = pl.num_programs(1) - 1 - group
   rows = static["rows"]
   row_slice = pl.ds(block * rows, rows)
-  v = _block_vectors(v_ref, block, gathers, rows, static["batch"])
+  w2_first = None
+  if prefetch:  # issued before the wait below: W2 does not depend on the kernels before
+    w2_first = plgpu.load(w2_ref.at[pl.ds(0, static["k_chunk"]), pl.ds(group * static["tile"],
+                                                                       static["tile"])],
+                          eviction_policy="evict_last" if static["cache_hints"] else None)
+  v = _block_vectors(v_ref, block, gathers, rows, static["batch"], pdl, interpret)
 
   def run(j):
     key, token, *law = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
                                 corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
-                                with_law=bool(law_refs), **static)
+                                with_law=bool(law_refs), w2_first=w2_first, **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token
@@ -262,11 +311,11 @@ class StepStats(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "serpentine", "cache_hints", "late_base",
-                                             "store_logits", "interpret"))
+                                             "store_logits", "pdl", "prefetch", "interpret"))
 def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
                greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
                tiles_per_program=1, serpentine=True, cache_hints=True, late_base=None,
-               store_logits=True, interpret=False) -> StepStats:
+               store_logits=True, pdl=False, prefetch=False, interpret=False) -> StepStats:
   """Runs the kernel for block position `step`.
 
   Args:
@@ -301,10 +350,20 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       per row and tile, the tile's log-mass and, with `draws`, its draw's corrected logit, from
       which the caller forms ``log q(x)`` of the row's token (`proposal.CompactLogits`); without
       draws, `chosen_tile_draws` then draws in the chosen tiles.
+    pdl: programmatic dependent launch (`_launch_control`): True lets the stream's next kernel
+      launch as soon as this one's instances have started, and reads the tokens only after the
+      kernels before have finished; "first" only lets the next one launch (the chain's first
+      kernel). Needs `w1`. Before its wait an instance reads W2, the base logits, the noise, the
+      temperatures and the greedy mask, so these must come from before the chain's first kernel
+      (which is launched normally), and it writes nothing; `choose_tokens(pdl=True)` is the
+      token choice that takes part in such a chain.
+    prefetch: with ``pdl=True``, each instance loads its tile's first rank chunk of W2 before it
+      waits (one tile per instance and a rank loop only).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
-    A `StepStats`.
+    A `StepStats`; with `pdl`, ``tile_key`` and ``tile_token`` keep the kernel's padded rows
+    ([row blocks · rows, V/c]; `choose_tokens` reads the first B in place).
   """
   batch = v.shape[0]
   rank, vocab = w2.shape
@@ -318,6 +377,9 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     raise ValueError("noise: the sampling variant needs every step's tile noise")
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
+  if pdl and w1 is None:
+    raise ValueError("pdl: the kernel must gather W1 rows itself (pass w1 and tokens)")
+  prefetch = prefetch and pdl is True and tiles_per_program == 1
   store_logits = store_logits or greedy_only
   rows = rows or row_block(batch)
   k_chunk = _usable_chunk(k_chunk, rank)
@@ -342,7 +404,8 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
                         store_logits=store_logits, step=step, batch=batch, rows=rows, tile=tile,
                         k_chunk=k_chunk, tiles=tiles, tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints,
-                        late_base=late_base),
+                        late_base=late_base, pdl=pdl, prefetch=prefetch and bool(k_chunk),
+                        interpret=interpret),
       grid=(blocks, groups),
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * len(out_shape),
@@ -352,11 +415,48 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       interpret=interpret,
   )(*inputs)
   cut = lambda x: x[:batch]
+  # With pdl the pairs keep the padded rows: a slice before `choose_tokens` would be a copy.
+  cut_pair = (lambda x: x) if pdl else cut
   if greedy_only:
-    return StepStats(None, cut(outs[0]), cut(outs[1]))
+    return StepStats(None, cut_pair(outs[0]), cut_pair(outs[1]))
   if not store_logits:
-    return StepStats(None, *map(cut, outs), *([None] if len(outs) == 3 else []))
-  return StepStats(outs[0], cut(outs[1]), cut(outs[2]))
+    return StepStats(None, cut_pair(outs[0]), cut_pair(outs[1]), *map(cut, outs[2:]),
+                     *([None] if len(outs) == 3 else []))
+  return StepStats(outs[0], cut_pair(outs[1]), cut_pair(outs[2]))
+
+
+def _choice_kernel(key_ref, token_ref, out_ref, *, tiles, width, pdl, interpret):
+  row = pl.program_id(0)
+  lanes = _early_lanes(width, pdl, interpret)
+  present = lanes < tiles
+  key = plgpu.load(key_ref.at[row, lanes], mask=present, other=-jnp.inf)
+  token = plgpu.load(token_ref.at[row, lanes], mask=present, other=_BIG_INDEX)
+  _, first = _row_first_max(key[None, :], token[None, :])
+  out_ref[pl.ds(row, 1)] = first
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "pdl", "interpret"))
+def choose_tokens(tile_key, tile_token, *, batch=None, pdl=False, interpret=False):
+  """`sampling.tokens_from_tile_choices` as a Pallas kernel, one instance per row: the token of
+  the tile with the largest key (ties: the smaller token; NaN first), [B] int32, for the first
+  `batch` rows of the [rows, V/c] pairs (None: all).
+
+  It exists for `pdl` (see `step_stats`): XLA's own reduction cannot let the next step's kernel
+  launch early or wait for this one, so a chain of step kernels with PDL needs its token choice
+  to take part.
+  """
+  rows, tiles = tile_key.shape
+  batch = rows if batch is None else batch
+  width = max(16, 1 << (tiles - 1).bit_length())  # a power of two for the lanes
+  return pl.pallas_call(
+      functools.partial(_choice_kernel, tiles=tiles, width=width, pdl=pdl, interpret=interpret),
+      grid=(batch,),
+      in_specs=[pl.no_block_spec] * 2,
+      out_specs=pl.no_block_spec,
+      out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
+      compiler_params=_compiler_params(4, None),
+      interpret=interpret,
+  )(tile_key, tile_token)
 
 
 def _chosen_tile_kernel(*refs, gathers, rows, tile, **static):

@@ -154,6 +154,8 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-r16": (("rows", 16),),
     "pallas-s4": (("num_stages", 4),),
     "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
+    "pallas-pdl": (("pdl", True),),                       # step kernels chained by PDL
+    "pallas-pdlp": (("pdl", True), ("prefetch", True)),   # ... each W2 tile's first chunk early
 }
 
 def main(argv=None):

@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import law_checks as reference
-from dspark_jax import fused_block, fused_step, proposal
+from dspark_jax import fused_block, fused_step, proposal, sampling
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
@@ -160,6 +160,7 @@ XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
               ("cache_hints", False))
 TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
 PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
+PDL = (("pdl", True),)  # kernels chained by programmatic dependent launch (a no-op on the CPU)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -235,15 +236,16 @@ def test_pallas_form_block_law(kind, temperature, options):
 def test_pallas_form_over_many_tiles_with_edge_rows():
   # V = 2064 = 129 tiles of 16. Rows: all -inf, a NaN in the last tile, an exact tie between the
   # first and the last tile, normal rows; greedy and sampled. The kernel's per-tile draws and their
-  # reduction, per step or in the persistent kernel, must give the loop form's tokens and logits
-  # bit for bit (CPU).
+  # reduction, per step, in the persistent kernel, or chained (pdl: `choose_tokens` reduces; with
+  # a W2 chunk loaded first), must give the loop form's tokens and logits bit for bit (CPU).
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
   base = helpers.edge_rows(batch, gamma, vocab, nan_at=2060, tie_at=(5, 2050))  # first, last tile
   arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
-  forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT))
+  forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT),
+           ("pallas", PDL), ("pallas", PDL + (("prefetch", True), ("k_chunk", 16))))
   for g in (False, True):
     loop, *others = [proposal.folded_block(
         arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
@@ -317,6 +319,46 @@ def test_persistent_kernel_equals_the_step_kernels(batch):
         assert (a is None) == (b is None)
         if a is not None:
           np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_choose_tokens_is_the_tile_reduction():
+  # `fused_step.choose_tokens` (the token choice of a pdl chain) against XLA's reduction
+  # (`sampling.tokens_from_tile_choices`) on pairs with the kernel's padded rows: ties between
+  # tiles and between NaN keys (NaN beats every key; the smaller token wins), +inf, a row of -inf
+  # keys, and a tile count that is not a power of two.
+  rng = np.random.default_rng(0)
+  rows, batch, tiles = 16, 5, 37
+  key = rng.normal(size=(rows, tiles)).astype(np.float32)
+  token = rng.permutation(rows * tiles).reshape(rows, tiles).astype(np.int32)
+  key[0, [3, 30]] = 9.0
+  key[1, [4, 20]] = np.nan
+  key[2] = -np.inf
+  key[3, -1] = np.inf
+  want = sampling.tokens_from_tile_choices(jnp.asarray(key[:batch]), jnp.asarray(token[:batch]))
+  for pdl in (False, True):
+    got = fused_step.choose_tokens(key, token, batch=batch, pdl=pdl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert int(want[0]) == min(token[0, 3], token[0, 30])
+  assert int(want[1]) == min(token[1, 4], token[1, 20]) and int(want[3]) == token[3, -1]
+
+
+def test_pdl_is_refused_where_the_chain_does_not_apply():
+  batch, gamma, vocab, rank = 2, 2, 64, 16
+  base = jnp.zeros((batch, gamma, vocab))
+  rows = proposal.block_arrays(dj.SamplingParams(temperature=[1.0, 0.0]), [0, 1], [0, 0])
+  def run(kind, options, hidden=None):
+    head = helpers.make_head(kind, vocab, rank, 3)
+    return proposal.folded_block(head.arrays(), None, base, rows["anchor"], hidden, rows["greedy"],
+                                 rows["temperature"], rows["seeds"], rows["positions"],
+                                 jax.random.key(0), kind=kind, greedy_only=False, form="pallas",
+                                 pallas_options=options)
+  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
+    run("gated", PDL, jnp.zeros((batch, gamma, 3)))                  # v from XLA
+  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
+    run("vanilla", PDL + (("draws", False),))                        # XLA draws between steps
+  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
+    run("vanilla", PDL + PERSISTENT)
+  assert not fused_step.pdl_supported() or jax.default_backend() == "gpu"
 
 
 def test_persistent_kernel_rejects_what_it_cannot_run():
