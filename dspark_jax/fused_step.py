@@ -26,11 +26,15 @@ batches only. HBM sees W2, U_k and the corrected logits once each per step, the 
 blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
 H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
 before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
-(BENCHMARKS.md, issue 6) whole programs run at 1.2-1.35x that floor for greedy-only and 1.4-2.2x
+(BENCHMARKS.md, issue 6) whole programs run at 1.15-1.25x that floor for greedy-only and 1.4-2.2x
 for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
 8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
 order like the floats (`order_keys`): Triton's float max drops NaN, and the keys need two
 reductions where explicit NaN handling needs four.
+
+On sm_90+ GPUs the step kernels can form a chain by programmatic dependent launch (``pdl``):
+each lets the stream's next kernel launch while it runs and waits on the GPU before it reads its
+rows' tokens, and `choose_tokens` is the token choice as a kernel of that chain.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
