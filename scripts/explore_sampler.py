@@ -156,9 +156,11 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-plain": (("serpentine", False), ("cache_hints", False)),  # tiles in order, no hints
     "pallas-pdl": (("pdl", True),),                       # step kernels chained by PDL
     "pallas-pdlp": (("pdl", True), ("prefetch", True)),   # ... each W2 tile's first chunk early
+    "pallas-nopdl": (("pdl", False),),  # the steps not chained (a Triton setting: no Hopper kernel)
 }
 
 def main(argv=None):
+  global CALLS
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--tune", metavar="SETTINGS",
@@ -182,7 +184,7 @@ def main(argv=None):
                       help="back-to-back calls per timed burst (default %(default)s; see "
                            "bench_sampler.PIPELINE_CALLS)")
   args = parser.parse_args(argv)
-  globals()["CALLS"] = args.calls
+  CALLS = args.calls
   vocabs, batches = ([4096], [1, 8]) if args.small else ([129280, 151936], [1, 8, 64, 128])
   gamma, rank, dtype = 7, 256, jnp.bfloat16
   if args.tune:
