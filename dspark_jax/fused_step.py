@@ -160,8 +160,8 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
   window = (row_slice, jnp.int32(step), cols)
   rank = w2_ref.shape[0]
-  # W2 is read by every step of the block; U_k and the corrected logits once: ask L2 to keep W2.
-  keep, stream = ("evict_last", "evict_first") if cache_hints else (None, None)
+  # U_k and the corrected logits pass once; W2 is kept (`_w2_chunk`).
+  stream = "evict_first" if cache_hints else None
 
   def load_v(start, width):  # rows past the batch read as zeros: v is not padded
     mask = jnp.broadcast_to(valid[:, None], (rows, width))
@@ -177,8 +177,7 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
     base = load_base()
   precision = jax.lax.Precision.HIGHEST if w2_ref.dtype == jnp.float32 else None  # no TF32
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-  load_w2 = lambda start, width: plgpu.load(w2_ref.at[pl.ds(start, width), cols],
-                                            eviction_policy=keep)
+  load_w2 = lambda start, width: _w2_chunk(w2_ref, start, width, j, tile, cache_hints)
   if k_chunk is None:
     bias = dot(load_v(0, rank), load_w2(0, rank))
   else:  # a loop over rank chunks lets Triton pipeline the W2 loads
@@ -217,6 +216,12 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   return (key, token, *law) if with_law else (key, token)
 
 
+def _w2_chunk(w2_ref, start, width, j, tile, cache_hints):
+  """W2[start : start + width, tile j]; with cache hints marked evict-last (every step reads W2)."""
+  return plgpu.load(w2_ref.at[pl.ds(start, width), pl.ds(j * tile, tile)],
+                    eviction_policy="evict_last" if cache_hints else None)
+
+
 def _block_vectors(v_ref, block, gathers, rows, batch, pdl=False, interpret=False):
   """What `one_tile` takes as `v` for row block `block`: the ref of the vectors, or the block's
   tokens whose W1 rows it gathers (rows past the batch read token 0). With `pdl` the tokens are
@@ -249,9 +254,8 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   row_slice = pl.ds(block * rows, rows)
   w2_first = None
   if prefetch:  # issued before the wait below: W2 does not depend on the kernels before
-    w2_first = plgpu.load(w2_ref.at[pl.ds(0, static["k_chunk"]), pl.ds(group * static["tile"],
-                                                                       static["tile"])],
-                          eviction_policy="evict_last" if static["cache_hints"] else None)
+    w2_first = _w2_chunk(w2_ref, 0, static["k_chunk"], group, static["tile"],
+                         static["cache_hints"])
   v = _block_vectors(v_ref, block, gathers, rows, static["batch"], pdl, interpret)
 
   def run(j):

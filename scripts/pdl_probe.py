@@ -56,24 +56,20 @@ def chain_kernel(programs, iterations, trigger, wait):
 
 
 def triton_chain_kernel(programs, iterations, trigger, wait):
-  """The same in Pallas' Triton lowering, with the two instructions as inline assembly that
-  passes the load's lane indices through (so it comes before the load and cannot be dropped)."""
+  """The same in Pallas' Triton lowering, with the two instructions as the library writes them
+  (`fused_step._launch_control`: inline assembly that passes the load's lane indices through)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 
-  def control(instruction, lanes):  # the instruction, then the lanes unchanged
-    [same] = pltriton.elementwise_inline_asm(
-        f"{instruction} mov.b32 $0, $1;", args=[lanes], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(lanes.shape, jnp.int32)])
-    return same
+  from dspark_jax import fused_step
 
   def kernel(x_ref, o_ref):
     program = pl.program_id(0)
     lanes = lax.broadcasted_iota(jnp.int32, (x_ref.shape[1],), 0)
     if trigger:
-      lanes = control("griddepcontrol.launch_dependents;", lanes)
+      lanes = fused_step._launch_control("launch_dependents", lanes, interpret=False)
     if wait:
-      lanes = control("griddepcontrol.wait;", lanes)
+      lanes = fused_step._launch_control("wait", lanes, interpret=False)
     x = pltriton.load(x_ref.at[program, lanes])
     x = lax.fori_loop(0, iterations, lambda i, x: x * 1.0000001 + 1e-7, x)
     o_ref[program] = x
