@@ -120,13 +120,13 @@ def _launch_control(instruction, lanes, interpret):
 
 
 def _early_lanes(count, pdl, interpret):
-  """iota(`count`), after letting the next kernel launch and, unless `pdl` is "first", waiting
-  for the kernels before (see `step_stats`)."""
+  """iota(`count`), after letting the next kernel launch and, unless `pdl` is "first" or "late",
+  waiting for the kernels before (see `step_stats`)."""
   lanes = jax.lax.broadcasted_iota(jnp.int32, (count,), 0)
   if not pdl:
     return lanes
   lanes = _launch_control("launch_dependents", lanes, interpret)
-  return lanes if pdl == "first" else _launch_control("wait", lanes, interpret)
+  return lanes if pdl in ("first", "late") else _launch_control("wait", lanes, interpret)
 
 
 def _row_first_max(values, indices):
@@ -142,7 +142,7 @@ def _row_first_max(values, indices):
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
-             with_law=False, w2_first=None):
+             with_law=False, w2_first=None, wait_late=False, interpret=False):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
@@ -195,11 +195,16 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   x = corrected.astype(jnp.float32)
   columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
   key, token = _row_first_max(x, columns)
-  if noise_ref is not None:  # sampled rows keep (score, draw or first column) (`tile_choices`)
+  if greedy_ref is not None:  # sampled rows keep (score, draw or first column) (`tile_choices`)
+    if wait_late:  # the noise comes from the kernel before (`block_noise`): read it after it ends
+      valid = _launch_control("wait", row_ids, interpret) < batch
+      in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
     temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
     log_mass = sampling.tile_log_mass(x, key, temperature)
-    score = log_mass + plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid,
-                                  other=0.0)
+    score = log_mass  # without noise: `draw_tokens` adds the tile's Gumbel draw
+    if noise_ref is not None:
+      score = log_mass + plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid,
+                                    other=0.0)
     if draws:  # the token this tile would give if chosen
       inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
                          mask=in_batch, other=0.0)
@@ -233,7 +238,7 @@ def _block_vectors(v_ref, block, gathers, rows, batch, pdl=False, interpret=Fals
 
 
 def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_program, reverse,
-            pdl, prefetch, interpret, **static):
+            pdl, prefetch, interpret, has_noise=True, **static):
   refs = list(refs)
   v_ref = refs.pop(0)
   w1_ref = refs.pop(0) if gathers else None
@@ -243,7 +248,8 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   if greedy_only:
     key_ref, token_ref = refs
   elif store_logits:  # an aliased corrected input may come before the outputs
-    noise_ref, greedy_ref = refs.pop(0), refs.pop(0)
+    noise_ref = refs.pop(0) if has_noise else None
+    greedy_ref = refs.pop(0)
     corrected_ref, key_ref, token_ref = refs[-3:]
   else:  # the log-masses, and with draws the draws' logits
     noise_ref, greedy_ref, key_ref, token_ref, *law_refs = refs
@@ -261,7 +267,8 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   def run(j):
     key, token, *law = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
                                 corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
-                                with_law=bool(law_refs), w2_first=w2_first, **static)
+                                with_law=bool(law_refs), w2_first=w2_first,
+                                wait_late=pdl == "late", interpret=interpret, **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token
@@ -319,11 +326,13 @@ class StepStats(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("step", "greedy_only", "draws", "rows", "num_warps",
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "serpentine", "cache_hints", "late_base",
-                                             "store_logits", "pdl", "prefetch", "interpret"))
+                                             "store_logits", "pdl", "prefetch", "padded_pairs",
+                                             "interpret"))
 def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
                greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
                tiles_per_program=1, serpentine=True, cache_hints=True, late_base=None,
-               store_logits=True, pdl=False, prefetch=False, interpret=False) -> StepStats:
+               store_logits=True, pdl=False, prefetch=False, padded_pairs=False,
+               interpret=False) -> StepStats:
   """Runs the kernel for block position `step`.
 
   Args:
@@ -367,10 +376,12 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       token choice that takes part in such a chain.
     prefetch: with ``pdl=True``, each instance loads its tile's first rank chunk of W2 before it
       waits (one tile per instance and a rank loop only).
+    padded_pairs: keep the padded rows of ``tile_key`` and ``tile_token`` also without `pdl`
+      (for a kernel that reads the first B rows in place, such as `draw_tokens`).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
-    A `StepStats`; with `pdl`, ``tile_key`` and ``tile_token`` keep the kernel's padded rows
+    A `StepStats`; with `pdl` or `padded_pairs`, ``tile_key`` and ``tile_token`` keep the kernel's padded rows
     ([row blocks · rows, V/c]; `choose_tokens` reads the first B in place).
   """
   batch = v.shape[0]
@@ -381,8 +392,9 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   draws = draws and not greedy_only
   if late_base is None:  # measured: helps the sampling kernel without draws, slows the others
     late_base = not greedy_only and not draws
-  if not greedy_only and noise is None:
-    raise ValueError("noise: the sampling variant needs every step's tile noise")
+  if not greedy_only and noise is None and (draws or not store_logits):
+    raise ValueError("noise: the sampling variant needs every step's tile noise, unless it "
+                     "stores the logits without draws (then `draw_tokens` draws)")
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
   if pdl and w1 is None:
@@ -398,7 +410,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   inputs = _head_inputs(v, w1, w2) + [base_logits, temperature.astype(jnp.float32)]
   aliases = {}
   if not greedy_only:
-    inputs += [noise, greedy.astype(jnp.int32)]
+    inputs += [greedy.astype(jnp.int32)] if noise is None else [noise, greedy.astype(jnp.int32)]
   if not store_logits:  # the tiles' log-masses, and with draws their draws' logits
     out_shape += [stat(jnp.float32)] * (2 if draws else 1)
   elif not greedy_only:
@@ -413,7 +425,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
                         k_chunk=k_chunk, tiles=tiles, tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints,
                         late_base=late_base, pdl=pdl, prefetch=prefetch and bool(k_chunk),
-                        interpret=interpret),
+                        interpret=interpret, has_noise=noise is not None),
       grid=(blocks, groups),
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * len(out_shape),
@@ -424,7 +436,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   )(*inputs)
   cut = lambda x: x[:batch]
   # With pdl the pairs keep the padded rows: a slice before `choose_tokens` would be a copy.
-  cut_pair = (lambda x: x) if pdl else cut
+  cut_pair = (lambda x: x) if pdl or padded_pairs else cut
   if greedy_only:
     return StepStats(None, cut_pair(outs[0]), cut_pair(outs[1]))
   if not store_logits:
@@ -433,38 +445,206 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   return StepStats(outs[0], cut_pair(outs[1]), cut_pair(outs[2]))
 
 
-def _choice_kernel(key_ref, token_ref, out_ref, *, tiles, width, pdl, interpret):
+def _write_token(refs, row, step, token, blocks):
+  """Writes a row's [1] token to the [B] output and, with `blocks`, to column `step` of the
+  [B, γ] block (the last two refs are the outputs; an aliased block input comes before them)."""
+  if not blocks:
+    refs[-1][pl.ds(row, 1)] = token
+    return
+  refs[-2][pl.ds(row, 1)] = token
+  refs[-1][pl.ds(row, 1), jnp.int32(step)] = token
+
+
+def _choice_kernel(key_ref, token_ref, *refs, tiles, width, step, pdl, interpret, blocks):
   row = pl.program_id(0)
   lanes = _early_lanes(width, pdl, interpret)
   present = lanes < tiles
   key = plgpu.load(key_ref.at[row, lanes], mask=present, other=-jnp.inf)
   token = plgpu.load(token_ref.at[row, lanes], mask=present, other=_BIG_INDEX)
   _, first = _row_first_max(key[None, :], token[None, :])
-  out_ref[pl.ds(row, 1)] = first
+  _write_token(refs, row, step, first, blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "pdl", "interpret"))
-def choose_tokens(tile_key, tile_token, *, batch=None, pdl=False, interpret=False):
+def _token_outputs(batch, block, gamma):
+  """Out shapes, inputs and aliases for the [B] tokens and, with `gamma`, the [B, γ] block."""
+  if gamma is None:
+    return [jax.ShapeDtypeStruct((batch,), jnp.int32)], [], {}
+  shapes = [jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, gamma), jnp.int32)]
+  return (shapes, [], {}) if block is None else (shapes, [block], {"block": 1})
+
+
+def _call_with_tokens(kernel, inputs, batch, block, gamma, interpret):
+  """The per-row token kernel over `inputs`, writing into `block` [B, γ] in place when given."""
+  shapes, extra, alias = _token_outputs(batch, block, gamma)
+  outs = pl.pallas_call(
+      functools.partial(kernel, blocks=gamma is not None),
+      grid=(batch,),
+      in_specs=[pl.no_block_spec] * (len(inputs) + len(extra)),
+      out_specs=[pl.no_block_spec] * len(shapes),
+      out_shape=shapes,
+      input_output_aliases={len(inputs): alias["block"]} if alias else {},
+      compiler_params=_compiler_params(4, None),
+      interpret=interpret,
+  )(*inputs, *extra)
+  return outs[0] if gamma is None else tuple(outs)
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "pdl", "step", "gamma", "interpret"))
+def choose_tokens(tile_key, tile_token, block=None, *, batch=None, pdl=False, step=0, gamma=None,
+                  interpret=False):
   """`sampling.tokens_from_tile_choices` as a Pallas kernel, one instance per row: the token of
   the tile with the largest key (ties: the smaller token; NaN first), [B] int32, for the first
   `batch` rows of the [rows, V/c] pairs (None: all).
 
   It exists for `pdl` (see `step_stats`): XLA's own reduction cannot let the next step's kernel
   launch early or wait for this one, so a chain of step kernels with PDL needs its token choice
-  to take part.
+  to take part. With `gamma` it also writes the tokens into column `step` of the block's
+  [B, γ] tokens, in place into `block` (None: a new buffer whose other columns are unwritten),
+  and returns ``(tokens [B], block [B, γ])``: the block then needs no stacking after the chain.
   """
   rows, tiles = tile_key.shape
   batch = rows if batch is None else batch
   width = max(16, 1 << (tiles - 1).bit_length())  # a power of two for the lanes
+  kernel = functools.partial(_choice_kernel, tiles=tiles, width=width, step=step, pdl=pdl,
+                             interpret=interpret)
+  return _call_with_tokens(kernel, [tile_key, tile_token], batch, block, gamma, interpret)
+
+
+def _first_max_of_halves(key_even, token_even, key_odd, token_odd):
+  """`_row_first_max` over the union of two [1, n] halves: (max, its smallest token), [1]."""
+  even, odd = order_keys(key_even), order_keys(key_odd)
+  best = jnp.maximum(jnp.max(even, axis=1), jnp.max(odd, axis=1))
+  first = lambda keys, tokens: jnp.min(
+      jnp.where(keys == best[:, None], tokens, jnp.int32(_BIG_INDEX)), axis=1)
+  return key_value(best), jnp.minimum(first(even, token_even), first(odd, token_odd))
+
+
+def _pair_gumbels(k0, k1, domain, pairs):
+  """Draws ``2p`` and ``2p + 1`` of `domain` (`sampling.counter_gumbel`) for int32 [n] `pairs`,
+  as two [1, n] halves: one Threefry block gives both."""
+  y0, y1 = sampling.threefry2x32((k0, k1), (pairs.astype(jnp.uint32), jnp.uint32(domain)))
+  return sampling.gumbel_of_bits(y0)[None, :], sampling.gumbel_of_bits(y1)[None, :]
+
+
+def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_ref, seed_ref,
+                 position_ref, *refs, tiles, half, tile, step, pdl, interpret, blocks):
+  row = pl.program_id(0)
+  one = pl.ds(row, 1)
+  pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
+  if pdl:
+    pairs = _launch_control("launch_dependents", pairs, interpret)
+  # The row's noise first: it depends on no kernel before, so it overlaps them under pdl.
+  base = (words_ref[pl.ds(0, 1)], words_ref[pl.ds(1, 1)])
+  k0, k1 = sampling.row_key_words(base, sampling.Stream.DRAFT, seed_ref[one],
+                                  position_ref[one] + (step + 1))
+  tile_even, tile_odd = _pair_gumbels(k0, k1, sampling.TILE_DOMAIN, pairs)
+  columns = jax.lax.broadcasted_iota(jnp.int32, (tile // 2,), 0)
+  column_even, column_odd = _pair_gumbels(k0, k1, sampling.COLUMN_DOMAIN, columns)
+  greedy = greedy_ref[one] != 0
+  temperature = temp_ref[one]
+  if pdl:  # through the noise, so that it is computed before the wait (a Gumbel is finite)
+    pairs = _launch_control("wait", pairs + jnp.where(tile_even[0] == jnp.inf, 1, 0), interpret)
+  lanes = [2 * pairs, 2 * pairs + 1]
+  keys = [plgpu.load(key_ref.at[row, t], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
+  tokens = [plgpu.load(token_ref.at[row, t], mask=t < tiles, other=_BIG_INDEX)[None, :]
+            for t in lanes]
+  # A sampled row's key is its tile's log-mass: with the tile's draw added, the max is the tile.
+  keys = [jnp.where(greedy[:, None], k, k + g) for k, g in zip(keys, (tile_even, tile_odd))]
+  _, token = _first_max_of_halves(keys[0], tokens[0], keys[1], tokens[1])
+  # The draw inside the chosen tile (a sampled row's token is the tile's first column).
+  sampled = jnp.broadcast_to(~greedy[:, None], (1, tile // 2))
+  within = [2 * columns[None, :], 2 * columns[None, :] + 1]
+  logits = [plgpu.load(corrected_ref.at[row, jnp.int32(step), token[:, None] + c], mask=sampled,
+                       other=0.0).astype(jnp.float32) for c in within]
+  scores = [x / temperature[:, None] + g for x, g in zip(logits, (column_even, column_odd))]
+  _, column = _first_max_of_halves(scores[0], within[0], scores[1], within[1])
+  _write_token(refs, row, step, jnp.where(greedy, token, token + column), blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "interpret"))
+def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words, seeds, positions,
+                block=None, *, step, batch=None, pdl=False, gamma=None, interpret=False):
+  """The token choice of a sampling step that draws: `choose_tokens` plus the two-level sampler's
+  noise and in-tile draw (`sampling`), one kernel instance per row.
+
+  It takes the step kernel's pairs without noise (``step_stats(noise=None, draws=False)``: a
+  sampled row's key per tile is the tile's log-mass, its token the tile's first column), derives
+  the row's key (`sampling.row_key_words` of ``(key, seed, position + step + 1, Stream.DRAFT)``),
+  adds each tile's Gumbel draw, chooses the tile, and draws inside it from the stored corrected
+  logits: the noise `sampling.tile_noise` gives these keys, so the token is the one
+  `sampling.tokens_from_tile_stats` gives. The noise comes first: under `pdl` it overlaps the
+  step kernel before, and the sampling block draws none up front.
+
+  Args:
+    tile_key, tile_token: [rows, V/c] float32 and int32 pairs of the step kernel (rows >= B).
+    corrected: [B, γ, V] the stored corrected logits (slice `step` is read).
+    greedy: [B] int32 (nonzero: greedy row). temperature: [B] float32 (clamped).
+    key_words: [2] uint32 `sampling.key_words` of the block's key. seeds: [B] uint32.
+    positions: [B] int32 the anchors' positions.
+    step: static block position. batch: rows to choose for (None: all of `tile_key`'s).
+    pdl: programmatic dependent launch (`step_stats`): let the next kernel launch at once, and
+      wait for the kernels before only once the noise is drawn.
+    block, gamma: as in `choose_tokens` (the block's [B, γ] tokens, written in place).
+
+  Returns:
+    [B] int32 tokens; with `gamma`, ``(tokens, block)``.
+  """
+  rows, tiles = tile_key.shape
+  batch = rows if batch is None else batch
+  tile = corrected.shape[2] // tiles
+  half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
+  kernel = functools.partial(_draw_kernel, tiles=tiles, half=half, tile=tile, step=step, pdl=pdl,
+                             interpret=interpret)
+  inputs = [tile_key, tile_token, corrected, greedy.astype(jnp.int32),
+            temperature.astype(jnp.float32), key_words.astype(jnp.uint32),
+            seeds.astype(jnp.uint32), positions.astype(jnp.int32)]
+  return _call_with_tokens(kernel, inputs, batch, block, gamma, interpret)
+
+
+def _noise_kernel(words_ref, seed_ref, position_ref, noise_ref, *, tiles, tile, half, pdl,
+                  interpret):
+  step, row = pl.program_id(0), pl.program_id(1)
+  pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
+  if pdl:  # the chain's first kernel: the step kernel launches at once and waits late
+    pairs = _launch_control("launch_dependents", pairs, interpret)
+  one = pl.ds(row, 1)
+  base = (words_ref[pl.ds(0, 1)], words_ref[pl.ds(1, 1)])
+  k0, k1 = sampling.row_key_words(base, sampling.Stream.DRAFT, seed_ref[one],
+                                  position_ref[one] + (step + 1))
+  columns = jax.lax.broadcasted_iota(jnp.int32, (tile // 2,), 0)
+  for domain, lanes, start, count in ((sampling.TILE_DOMAIN, pairs, 0, tiles),
+                                      (sampling.COLUMN_DOMAIN, columns, tiles, tile)):
+    for parity, values in enumerate(_pair_gumbels(k0, k1, domain, lanes)):
+      index = 2 * lanes + parity
+      plgpu.store(noise_ref.at[step, row, start + index], values[0], mask=index < count)
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "tiles", "tile", "pdl", "interpret"))
+def block_noise(key_words, seeds, positions, *, gamma, tiles, tile, pdl=False, interpret=False):
+  """[γ, B, V/c + c] float32: every step's `sampling.tile_noise` of the draft rows' keys, as one
+  Pallas kernel (one instance per step and row, a Threefry block per two draws).
+
+  The same values as ``tile_noise(row_keys(key, seeds, positions + k + 1, Stream.DRAFT))`` for
+  step k; with `pdl` the kernel first lets the next one launch, so that the first step kernel
+  (``step_stats(pdl="late")``) streams its W2 tiles while the noise is drawn.
+
+  Args:
+    key_words: [2] uint32 `sampling.key_words` of the block's key. seeds: [B] uint32.
+    positions: [B] int32 the anchors' positions. gamma, tiles, tile: static sizes.
+  """
+  batch = seeds.shape[0]
+  half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
   return pl.pallas_call(
-      functools.partial(_choice_kernel, tiles=tiles, width=width, pdl=pdl, interpret=interpret),
-      grid=(batch,),
-      in_specs=[pl.no_block_spec] * 2,
+      functools.partial(_noise_kernel, tiles=tiles, tile=tile, half=half, pdl=pdl,
+                        interpret=interpret),
+      grid=(gamma, batch),
+      in_specs=[pl.no_block_spec] * 3,
       out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
+      out_shape=jax.ShapeDtypeStruct((gamma, batch, tiles + tile), jnp.float32),
       compiler_params=_compiler_params(4, None),
       interpret=interpret,
-  )(tile_key, tile_token)
+  )(key_words.astype(jnp.uint32), seeds.astype(jnp.uint32), positions.astype(jnp.int32))
 
 
 def _chosen_tile_kernel(*refs, gathers, rows, tile, **static):

@@ -297,14 +297,25 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
   compact = not (store_logits or greedy_only)
-  draws = options.pop("draws", batch < TILE_DRAWS_BELOW_BATCH)
+  draws, choice = options.pop("draws", None), options.pop("choice", None)
   # Settings for the Triton kernel (rows, warps, ...) keep it, unless hopper is asked for.
   hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
                        and hopper_by_default(batch, vocab, head_params["w2"].dtype,
                                              base_logits.dtype))
+  if draws is None:
+    draws = batch < TILE_DRAWS_BELOW_BATCH and not choice
+  draws = draws and not greedy_only
+  # Without per-tile draws the token choice draws (`fused_step.draw_tokens`), where it can.
+  if choice is None:
+    choice = not (greedy_only or draws or compact or hopper or persistent)
+  choice = choice and not greedy_only
+  if choice and (draws or compact or hopper or persistent):
+    raise ValueError("pallas_options: choice (the token choice draws) is a setting of the "
+                     "per-step Triton kernel without draws, with store_logits=True")
   # Programmatic dependent launch chains the step kernels and their token choices (`fused_step`).
-  chainable = not (hopper or persistent) and w1_in_kernel and (greedy_only or draws)
-  pdl = options.pop("pdl", chainable and not interpret and fused_step.pdl_supported())
+  chainable = not (hopper or persistent) and w1_in_kernel and (greedy_only or draws or choice)
+  pdl = options.pop("pdl", chainable and not choice and not interpret
+                    and fused_step.pdl_supported())
   prefetch = options.pop("prefetch", False)
   if pdl and not chainable:
     raise ValueError("pallas_options: pdl is a setting of the per-step Triton kernel: it needs W1 "
@@ -320,9 +331,18 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
                      f"setting of the hopper kernel (it takes {sorted(hopper_settings)})")
   prev = prev_of_block = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
-  corrected, tokens, confidence, vectors, log_q = None, [], [], [], []
+  corrected, tokens, confidence, vectors, log_q, block = None, [], [], [], [], None
   noise, greedy_rows = None, greedy.astype(jnp.int32)  # converted once, not per step
-  if not greedy_only:  # one small program, not γ chains of them
+  # In a pdl chain with tile draws, the noise is the chain's first kernel, and the first step
+  # kernel waits for it only before its epilogue (pdl="late").
+  noise_kernel = pdl and draws and not persistent
+  if choice or noise_kernel:  # the kernels derive the rows' keys themselves
+    key_words = sampling.key_words(key)
+  if noise_kernel:
+    tile = sampling.vocab_tile(vocab)
+    noise = fused_step.block_noise(key_words, seeds, positions, gamma=gamma, tiles=vocab // tile,
+                                   tile=tile, pdl=True, interpret=interpret)
+  elif not (choice or greedy_only):  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
     steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
     keys = sampling.row_keys(key, jnp.broadcast_to(seeds, steps.shape).reshape(-1),
@@ -368,12 +388,18 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     stats = fused_step.step_stats(
         head_input, head_params["w2"], base_logits, temperature, noise, corrected,
         greedy=greedy_rows, w1=w1, step=k, greedy_only=greedy_only, draws=draws,
-        store_logits=not compact, pdl=pdl and (True if k else "first"), prefetch=prefetch,
-        interpret=interpret, **options)
+        store_logits=not compact, pdl=pdl and (True if k else "late" if noise_kernel else "first"),
+        prefetch=prefetch,
+        padded_pairs=choice, interpret=interpret, **options)
     corrected = stats.corrected
-    if pdl:  # the same reduction as a kernel of the chain
-      prev = fused_step.choose_tokens(stats.tile_key, stats.tile_token, batch=batch, pdl=True,
-                                      interpret=interpret)
+    # The token-choice kernels also write the block's tokens in place (no stacking at the end).
+    if choice:  # the token choice adds the noise and draws in the chosen tile
+      prev, block = fused_step.draw_tokens(
+          stats.tile_key, stats.tile_token, corrected, greedy_rows, temperature, key_words, seeds,
+          positions, block, step=k, batch=batch, pdl=bool(pdl), gamma=gamma, interpret=interpret)
+    elif pdl:  # the same reduction as a kernel of the chain
+      prev, block = fused_step.choose_tokens(stats.tile_key, stats.tile_token, block, batch=batch,
+                                             pdl=True, step=k, gamma=gamma, interpret=interpret)
     else:
       prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
     if compact and not draws:  # no logits to reread: the chosen tiles again, by the same code
@@ -381,7 +407,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
           head_input, head_params["w2"], base_logits, temperature, noise, greedy_rows, prev,
           w1=w1, step=k, interpret=interpret, **options)
       prev = jnp.where(greedy, prev, drawn)
-    elif not (greedy_only or draws):  # sampled rows chose a tile: draw inside it
+    elif not (greedy_only or draws or choice):  # sampled rows chose a tile: draw inside it
       prev = sampling.tokens_in_chosen_tiles(corrected, prev, greedy, temperature, noise[k], step=k)
     if compact:  # log q is formed after the loop: small XLA kernels here would each cost a launch
       log_q.append((stats.tile_log_mass, stats.tile_draw_logit if draws else draw_logit))
@@ -392,7 +418,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
   if hopper and not greedy_only:
     corrected = jax.freeze(corrected_ref)
-  tokens = jnp.stack(tokens, axis=1)
+  tokens = jnp.stack(tokens, axis=1) if block is None else block
   if compact:
     w2 = head_params["w2"]
     if w1_in_kernel:  # the kernel gathered v_k = W1[x_{k-1}]: the same rows, once for the block

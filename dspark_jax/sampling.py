@@ -17,11 +17,12 @@ This module owns two things:
      ``P(i | t*) = e^{logits_i/T - S_t*}``.
 
   The product is ``softmax(logits / T)_i`` exactly: the Gumbel-max trick applied twice. It needs
-  ``V/c + c`` noise draws per row instead of ``V``. Per-logit noise costs a 10-round Philox, about 80
+  ``V/c + c`` noise draws per row instead of ``V``. Per-logit noise costs a 20-round Threefry block per two logits, about 45
   integer operations per logit, which at B = 128 is as much integer work per step as the step's
   whole memory floor allows for. The tile statistics cost one ``exp`` per logit, and a kernel can
   compute them while it produces the logits (`fused_step` does, in Pallas). Greedy rows reduce per-tile
-  ``(max, first argmax)`` pairs. The noise comes from a per-row Philox-4x32 key.
+  ``(max, first argmax)`` pairs. The noise is counter-based: `threefry2x32` under the row's key
+  (`tile_noise`, `counter_gumbel`), in integer arithmetic that XLA fuses and a kernel can run.
 
 Edge cases, defined here and tested:
 
@@ -43,7 +44,10 @@ import numpy as np
 from dspark_jax import sampling_params as sp
 
 NOISE_PRNG_IMPL = "philox4x32"
-"""The PRNG of the per-row noise keys: counter-based, with a plain elementwise lowering that fuses."""
+"""The implementation `row_keys` wraps its words as (for `jax.random` on the verifier's side)."""
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = 0x1BD11BDA
 
 
 class Stream(enum.IntEnum):
@@ -55,9 +59,68 @@ class Stream(enum.IntEnum):
   TARGET = 3         # plain autoregressive sampling from the target (the baseline)
 
 
+def threefry2x32(key, counter):
+  """Threefry-2x32, 20 rounds (Salmon et al. 2011; JAX's default PRNG's block function).
+
+  Written in uint32 additions, shifts and xors only, so that it runs wherever those do: fused into
+  XLA's elementwise kernels, and inside a Pallas kernel (which has no PRNG primitive). Bit for bit
+  ``jax.extend.random.threefry_2x32`` (tested).
+
+  Args:
+    key: a pair ``(k0, k1)`` of uint32 arrays (broadcast against the counter).
+    counter: a pair ``(x0, x1)`` of uint32 arrays.
+
+  Returns:
+    The pair of uint32 output words, broadcast shape.
+  """
+  k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
+  x0, x1 = (jnp.asarray(x, jnp.uint32) for x in counter)
+  schedule = (k0, k1, k0 ^ k1 ^ jnp.uint32(_THREEFRY_PARITY))
+  x0, x1 = x0 + schedule[0], x1 + schedule[1]
+  for block in range(5):
+    for rotation in _THREEFRY_ROTATIONS[block % 2]:
+      x0 = x0 + x1
+      x1 = (x1 << rotation) | (x1 >> (32 - rotation))
+      x1 = x1 ^ x0
+    x0 = x0 + schedule[(block + 1) % 3]
+    x1 = x1 + schedule[(block + 2) % 3] + jnp.uint32(block + 1)
+  return x0, x1
+
+
+def key_words(key: jax.Array) -> jax.Array:
+  """[2] uint32: a base key's data as one pair of words (longer key data folded in pair by pair).
+
+  `key` is a typed key or a raw uint32 key of any implementation."""
+  if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  words = jnp.asarray(key, jnp.uint32).reshape(-1)
+  if words.shape[0] == 2:  # a Threefry key: its data as it is
+    return words
+  if words.shape[0] % 2:
+    words = jnp.concatenate([words, jnp.zeros((1,), jnp.uint32)])
+  pair = (words[0], words[1])
+  for i in range(2, words.shape[0], 2):
+    pair = threefry2x32(pair, (words[i], words[i + 1]))
+  return jnp.stack(pair)
+
+
+def row_key_words(base, stream, seeds, positions):
+  """The pair of uint32 words of `row_keys`, from the base key's `key_words` ``(w0, w1)``:
+  ``threefry2x32(threefry2x32(base, (stream, 0)), (seed, position))``, elementwise (a kernel
+  derives its rows' keys so)."""
+  stream_key = threefry2x32(base, (jnp.asarray(stream).astype(jnp.uint32), jnp.uint32(0)))
+  return threefry2x32(stream_key, (jnp.asarray(seeds).astype(jnp.uint32),
+                                   jnp.asarray(positions).astype(jnp.uint32)))
+
+
 def row_keys(key: jax.Array, seeds: jax.Array, positions: jax.Array, stream: int | jax.Array
              ) -> jax.Array:
-  """Derives one Philox-4x32 key per row from ``(key, seed, position, stream)`` only.
+  """Derives one key per row from ``(key, seed, position, stream)`` only.
+
+  The base key's words, through `threefry2x32` with the counter ``(stream, 0)``, key the block
+  function once more with the counter ``(seed, position)``: two blocks, plain integer arithmetic
+  that XLA fuses into whatever consumes the keys (jax.random's own ``fold_in`` chain cost four
+  kernels per call on a GPU).
 
   Args:
     key: base PRNG key, a typed key (``jax.random.key``) or a raw uint32 key (``jax.random.PRNGKey``)
@@ -67,19 +130,12 @@ def row_keys(key: jax.Array, seeds: jax.Array, positions: jax.Array, stream: int
     stream: stream id (`Stream`).
 
   Returns:
-    [B] typed keys of implementation `NOISE_PRNG_IMPL`.
+    [B] typed keys of implementation `NOISE_PRNG_IMPL` (for `jax.random`); `tile_noise` reads
+    their two words directly.
   """
-  if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-    key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-  stream_key = jax.random.fold_in(key, jnp.asarray(stream, jnp.uint32))
-
-  def one(seed, position):
-    k = jax.random.fold_in(stream_key, seed.astype(jnp.uint32))
-    k = jax.random.fold_in(k, position.astype(jnp.uint32))
-    return jax.random.bits(k, (2,), jnp.uint32)
-
-  bits = jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(positions))
-  return jax.random.wrap_key_data(bits, impl=NOISE_PRNG_IMPL)
+  base = key_words(key)
+  words = row_key_words((base[0], base[1]), stream, seeds, positions)
+  return jax.random.wrap_key_data(jnp.stack(words, axis=-1), impl=NOISE_PRNG_IMPL)
 
 
 def gumbel_scores(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
@@ -177,14 +233,39 @@ def tile_stats(logits: jax.Array, temperature: jax.Array
   return tile_max, tile_argmax, tile_log_mass(x, tile_max, temperature[:, None])
 
 
+TILE_DOMAIN, COLUMN_DOMAIN = 0, 1
+"""The counters' second words: the tile-choice noise and the in-tile (column) noise."""
+
+
+def gumbel_of_bits(bits: jax.Array) -> jax.Array:
+  """float32 Gumbel(0, 1) from uniform uint32 `bits`: ``-log(-log(u))`` with u the bits' top 23
+  as ``(2m + 1) / 2^24``, strictly inside (0, 1) and exact in float32."""
+  odd = ((bits >> 9) << 1 | 1).astype(jnp.int32).astype(jnp.float32)
+  return -jnp.log(-jnp.log(odd * np.float32(2.0**-24)))
+
+
+def counter_gumbel(k0: jax.Array, k1: jax.Array, domain, index: jax.Array) -> jax.Array:
+  """The Gumbel draw number `index` (integers >= 0) of `domain` under the key words ``(k0, k1)``,
+  elementwise: word ``index % 2`` of ``threefry2x32(k, (index // 2, domain))``."""
+  index = jnp.asarray(index).astype(jnp.uint32)
+  y0, y1 = threefry2x32((k0, k1), (index >> 1, jnp.asarray(domain).astype(jnp.uint32)))
+  return gumbel_of_bits(jnp.where((index & 1) == 1, y1, y0))
+
+
 def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
   """[..., tiles + tile] float32 Gumbel(0, 1) noise of the two-level sampler, per key of [...] keys.
 
-  The first `tiles` values choose the tile, the last `tile` the column inside it.
+  The first `tiles` values choose the tile (draws 0 .. tiles-1 of `TILE_DOMAIN`), the last `tile`
+  the column inside it (draws 0 .. tile-1 of `COLUMN_DOMAIN`), by `counter_gumbel` from the keys'
+  two words: one elementwise expression, which XLA compiles to one kernel with the keys'
+  derivation (`row_keys`) fused in.
   """
-  flat = keys.reshape(-1)
-  noise = jax.vmap(lambda k: jax.random.gumbel(k, (tiles + tile,), jnp.float32))(flat)
-  return noise.reshape(*keys.shape, tiles + tile)
+  words = jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
+  index = jnp.arange(tiles + tile, dtype=jnp.int32)
+  column = index >= tiles
+  return counter_gumbel(words[..., 0, None], words[..., 1, None],
+                        jnp.where(column, COLUMN_DOMAIN, TILE_DOMAIN),
+                        jnp.where(column, index - tiles, index))
 
 
 def tokens_from_tile_stats(logits: jax.Array, tile_max: jax.Array, tile_argmax: jax.Array,

@@ -146,7 +146,6 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-xg": (("w1_in_kernel", False),),              # W1 rows gathered in XLA
     "pallas-triton": (("hopper", False),),                # greedy-only: never the Hopper kernel
     "pallas-hopper": (("hopper", True),),                 # the Hopper kernels (B a multiple of 64)
-    "pallas-xc": (("draws", False),),                     # the chosen tile's draw in XLA
     "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
     "pallas-w8": (("num_warps", 8),),
     "pallas-r32": (("rows", 32),),                        # more, smaller row blocks: occupancy
@@ -157,6 +156,9 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-pdl": (("pdl", True),),                       # step kernels chained by PDL
     "pallas-pdlp": (("pdl", True), ("prefetch", True)),   # ... each W2 tile's first chunk early
     "pallas-nopdl": (("pdl", False),),  # the steps not chained (a Triton setting: no Hopper kernel)
+    "pallas-choice": (("choice", True),),   # the token choice draws (`fused_step.draw_tokens`)
+    "pallas-choice-pdl": (("choice", True), ("pdl", True)),
+    "pallas-xladraw": (("draws", False), ("choice", False)),  # XLA draws in the chosen tile
 }
 
 def main(argv=None):

@@ -159,6 +159,8 @@ def test_sample_block_rejects_bad_inputs(edit, match):
 XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
               ("cache_hints", False))
 TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
+XLA_DRAW = (("draws", False), ("choice", False))  # XLA reduces, then draws in the chosen tile
+CHOICE = (("choice", True),)  # the token choice draws (`fused_step.draw_tokens`), from 64 rows
 PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
 PDL = (("pdl", True),)  # kernels chained by programmatic dependent launch (a no-op on the CPU)
 
@@ -194,7 +196,7 @@ def test_every_folded_form_equals_the_loop(kind, form, options):
 
 
 @pytest.mark.parametrize("kind,temperature,options", [
-    ("vanilla", 1.0, ()),            # 64k rows: the draw from the chosen tile, in XLA
+    ("vanilla", 1.0, ()),            # 64k rows: the token choice draws (`draw_tokens`)
     ("gated", 0.6, TILE_DRAWS),      # every tile draws in the kernel; v from XLA
     ("vanilla", 0.8, TILE_DRAWS),    # ... with W1 gathered in the kernel
 ])
@@ -237,7 +239,8 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   # V = 2064 = 129 tiles of 16. Rows: all -inf, a NaN in the last tile, an exact tie between the
   # first and the last tile, normal rows; greedy and sampled. The kernel's per-tile draws and their
   # reduction, per step, in the persistent kernel, or chained (pdl: `choose_tokens` reduces; with
-  # a W2 chunk loaded first), must give the loop form's tokens and logits bit for bit (CPU).
+  # a W2 chunk loaded first); the token choice that draws (`draw_tokens`, chained or not); XLA's
+  # draw in the chosen tile: each must give the loop form's tokens and logits bit for bit (CPU).
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
   base = helpers.edge_rows(batch, gamma, vocab, nan_at=2060, tie_at=(5, 2050))  # first, last tile
@@ -245,7 +248,8 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
   forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT),
-           ("pallas", PDL), ("pallas", PDL + (("prefetch", True), ("k_chunk", 16))))
+           ("pallas", PDL), ("pallas", PDL + (("prefetch", True), ("k_chunk", 16))),
+           ("pallas", CHOICE), ("pallas", CHOICE + PDL), ("pallas", XLA_DRAW))
   for g in (False, True):
     loop, *others = [proposal.folded_block(
         arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
@@ -260,8 +264,9 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
 
 
-@pytest.mark.parametrize("draws", [True, False])
-def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws):
+@pytest.mark.parametrize("draws,store_logits", [(True, True), (False, False)])
+def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws, store_logits):
+  # Without draws and with the logits stored, the noise is the token choice's (`draw_tokens`).
   batch, gamma, vocab, rank = 2, 1, 64, 16
   w2 = jnp.zeros((rank, vocab), jnp.float32)
   base = jnp.zeros((batch, gamma, vocab), jnp.float32)
@@ -269,10 +274,11 @@ def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws):
   v, temperature = jnp.zeros((batch, rank)), jnp.ones((batch,))
   with pytest.raises(ValueError, match="^greedy: "):
     fused_step.step_stats(v, w2, base, temperature, noise, None, step=0, greedy_only=False,
-                          draws=draws, interpret=True)
+                          draws=draws, store_logits=store_logits, interpret=True)
   with pytest.raises(ValueError, match="^noise: "):
     fused_step.step_stats(v, w2, base, temperature, None, None, greedy=jnp.zeros(batch, bool),
-                          step=0, greedy_only=False, draws=draws, interpret=True)
+                          step=0, greedy_only=False, draws=draws, store_logits=store_logits,
+                          interpret=True)
 
 
 def test_kernel_first_max_keys_match_argmax():
@@ -342,6 +348,43 @@ def test_choose_tokens_is_the_tile_reduction():
   assert int(want[1]) == min(token[1, 4], token[1, 20]) and int(want[3]) == token[3, -1]
 
 
+def test_draw_tokens_is_the_two_level_draw():
+  # `fused_step.draw_tokens` (the token choice that draws) against `sampling.tokens_from_tile_stats`
+  # with the noise `sampling.tile_noise` gives the same rows' keys, at three block positions:
+  # integer logits (exact ties inside and across tiles), a row of -inf (token 0), NaNs (the first
+  # NaN), +inf (the first +inf), greedy and sampled rows, pairs with padded rows after the batch,
+  # and a tile count (99) that is not a power of two.
+  rng = np.random.default_rng(0)
+  batch, gamma, tile, tiles = 6, 3, 16, 99
+  vocab = tile * tiles
+  logits = rng.integers(-4, 4, size=(batch, gamma, vocab)).astype(np.float32)
+  logits[0] = -np.inf
+  logits[2][:, [9, vocab - 3]] = np.nan
+  logits[3][:, [20, vocab - 1]] = np.inf
+  corrected = jnp.asarray(logits, jnp.bfloat16)
+  greedy = jnp.asarray([0, 1, 0, 0, 1, 0], jnp.int32)
+  temperature = jnp.asarray(rng.uniform(0.3, 2.0, batch), jnp.float32)
+  seeds = jnp.arange(batch, dtype=jnp.uint32) * 7
+  positions = jnp.arange(batch, dtype=jnp.int32) + 100
+  key = jax.random.key(11)
+  pad = lambda a: jnp.concatenate([a, jnp.zeros((10, tiles), a.dtype)])
+  for step in range(gamma):
+    x = corrected[:, step].astype(jnp.float32)
+    tile_max, tile_arg, mass = sampling.tile_stats(x, temperature)
+    starts = jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32) * tile, tile_max.shape)
+    pairs = sampling.tile_choices(tile_max, tile_arg, mass, starts, greedy != 0)  # no noise
+    keys = sampling.row_keys(key, seeds, positions + step + 1, dj.Stream.DRAFT)
+    want = sampling.tokens_from_tile_stats(corrected[:, step], tile_max, tile_arg, mass,
+                                           greedy != 0, temperature,
+                                           sampling.tile_noise(keys, tiles, tile))
+    for pdl in (False, True):
+      got = fused_step.draw_tokens(*map(pad, pairs), corrected, greedy, temperature,
+                                   sampling.key_words(key), seeds, positions, step=step,
+                                   batch=batch, pdl=pdl, interpret=True)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(want[0]) == 0 and int(want[2]) == 9 and int(want[3]) == 20
+
+
 def test_pdl_is_refused_where_the_chain_does_not_apply():
   batch, gamma, vocab, rank = 2, 2, 64, 16
   base = jnp.zeros((batch, gamma, vocab))
@@ -355,9 +398,11 @@ def test_pdl_is_refused_where_the_chain_does_not_apply():
   with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
     run("gated", PDL, jnp.zeros((batch, gamma, 3)))                  # v from XLA
   with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
-    run("vanilla", PDL + (("draws", False),))                        # XLA draws between steps
+    run("vanilla", PDL + XLA_DRAW)                                   # XLA draws between steps
   with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
     run("vanilla", PDL + PERSISTENT)
+  with pytest.raises(ValueError, match="choice .* without draws"):
+    run("vanilla", CHOICE + TILE_DRAWS)
   assert not fused_step.pdl_supported() or jax.default_backend() == "gpu"
 
 

@@ -128,14 +128,54 @@ def test_streams_are_distinct_and_keys_are_pure():
       draft, jax.random.key_data(sampling.row_keys(raw, seeds, positions, dj.Stream.DRAFT)))
 
 
-def _random_bits_shapes(jaxpr, found):
+def test_threefry_is_jax_threefry_bit_for_bit():
+  # The in-house block function (plain uint32 arithmetic, for kernels) against JAX's own: 4,096
+  # random counters under each of 3 random keys.
+  from jax.extend.random import threefry_2x32
+  rng = np.random.default_rng(1)
+  for key in rng.integers(0, 2**32, size=(3, 2), dtype=np.uint32):
+    counter = rng.integers(0, 2**32, size=(2, 4096), dtype=np.uint32)
+    y0, y1 = sampling.threefry2x32((key[0], key[1]), (counter[0], counter[1]))
+    want = threefry_2x32(jnp.asarray(key), jnp.asarray(counter.reshape(-1)))
+    np.testing.assert_array_equal(np.r_[np.asarray(y0), np.asarray(y1)], np.asarray(want))
+
+
+def test_tile_noise_is_gumbel_and_counter_based():
+  # N = 300 rows x 1,138 draws = 341,400 values from `tile_noise` (the keys of 300 (seed,
+  # position) pairs). Statistic: Kolmogorov-Smirnov distance to the Gumbel(0, 1) CDF, threshold
+  # 1.95 / sqrt(N) (p = 0.001); the lag-1 correlation along a row and between neighbouring rows,
+  # threshold 4 / sqrt(N). Each value is `counter_gumbel` of its own counter.
+  rows, tiles, tile = 300, 1010, 128
+  keys = sampling.row_keys(jax.random.key(2), jnp.arange(rows) % 7, jnp.arange(rows) * 3, 0)
+  noise = np.asarray(sampling.tile_noise(keys, tiles, tile), np.float64)
+  values = np.sort(noise.reshape(-1))
+  n = values.size
+  cdf = np.exp(-np.exp(-values))
+  distance = max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n))
+  assert distance < 1.95 / np.sqrt(n), distance
+  centred = noise - noise.mean()
+  along = np.sum(centred[:, 1:] * centred[:, :-1]) / np.sum(centred**2)
+  across = np.sum(centred[1:] * centred[:-1]) / np.sum(centred**2)
+  assert abs(along) < 4 / np.sqrt(n) and abs(across) < 4 / np.sqrt(n), (along, across)
+  words = jax.random.key_data(keys)
+  index = jnp.asarray([0, 1, 7, tiles - 1])
+  np.testing.assert_array_equal(
+      noise[:, [0, 1, 7, tiles - 1]].astype(np.float32),
+      sampling.counter_gumbel(words[:, :1], words[:, 1:], sampling.TILE_DOMAIN, index))
+  np.testing.assert_array_equal(
+      noise[:, tiles:tiles + 4].astype(np.float32),
+      sampling.counter_gumbel(words[:, :1], words[:, 1:], sampling.COLUMN_DOMAIN, jnp.arange(4)))
+
+
+def _uint32_shapes(jaxpr, found):
+  """Shapes of every uint32 value a jaxpr computes (the counter-based noise's integer work)."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "random_bits":
-      found.append(eqn.outvars[0].aval.shape)
+    found += [v.aval.shape for v in eqn.outvars
+              if getattr(v.aval, "dtype", None) == jnp.uint32]
     for param in eqn.params.values():
       inner = getattr(param, "jaxpr", None)
       if inner is not None:
-        _random_bits_shapes(getattr(inner, "jaxpr", inner), found)
+        _uint32_shapes(getattr(inner, "jaxpr", inner), found)
   return found
 
 
@@ -147,8 +187,9 @@ def test_two_level_sampler_draws_tiles_plus_tile_width_noise(vocab, tile):
   params = dj.SamplingParams(temperature=np.full(batch, 0.9))
   jaxpr = jax.make_jaxpr(lambda logits, key, pos: sampling._sample_step(logits, params, key, pos, 0))(
       jax.ShapeDtypeStruct((batch, vocab), jnp.bfloat16), jax.random.key(0), jnp.arange(batch))
-  noise = [s for s in _random_bits_shapes(jaxpr.jaxpr, []) if len(s) == 2 and s[1] != 2]
-  assert noise == [(batch, vocab // tile + tile)]
+  # The Threefry blocks run on arrays of at most one counter per draw: [B, V/c + c].
+  shapes = _uint32_shapes(jaxpr.jaxpr, [])
+  assert max(shapes, key=np.prod) == (batch, vocab // tile + tile)
 
 
 @pytest.mark.parametrize("vocab", [256, 384, 100])
