@@ -13,20 +13,23 @@ kernel per (row block, vocabulary tile) does it all while the tile is in registe
 * per row and tile, the (key, token) pair the row's choice maximises over the tiles
   (`sampling.tile_choices`): for a greedy row the max and its first column (NaN first); for a
   sampled row the tile's *score* (its log-mass ``logsumexp(corrected / T)``,
-  `sampling.tile_log_mass`, plus the tile's Gumbel draw) and, with ``draws``, the tile's *draw*
-  ``argmax(corrected / T + G_inner)``, the token the tile would give if chosen, or else the tile's
-  first column. Every tile uses the row's same inner noise, so drawing in every tile and keeping the
-  chosen tile's draw is the same draw as reading the chosen tile afterwards (`sampling` explains the
-  two-level draw).
+  `sampling.tile_log_mass`, plus the tile's Gumbel draw, or the log-mass alone when the token
+  choice adds the draw) and, with ``draws``, the tile's *draw* ``argmax(corrected / T + G_inner)``,
+  the token the tile would give if chosen, or else the tile's first column. Every tile uses the
+  row's same inner noise, so drawing in every tile and keeping the chosen tile's draw is the same
+  draw as reading the chosen tile afterwards (`sampling` explains the two-level draw). One
+  first-max serves both kinds of row (a greedy row's over the logits, a sampled row's over
+  ``corrected / T + G_inner``).
 
-The token choice left to XLA is one reduction over the tiles (`sampling.tokens_from_tile_choices`);
-without draws, XLA then draws inside each sampled row's chosen tile, rereading it
-(`sampling.tokens_in_chosen_tiles`). The draws cost arithmetic on every logit, so they pay at small
-batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
+The token choice is one reduction over the tiles: XLA's (`sampling.tokens_from_tile_choices`), or
+a kernel of the chain below (`token_kernels`). Without draws the chosen tile is read again: by
+`token_kernels.draw_tokens`, which also adds the tiles' noise (the default from 64 rows), or by
+XLA (`sampling.tokens_in_chosen_tiles`). The draws cost arithmetic on every logit, so they pay at
+small batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
 blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
 H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
 before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
-(BENCHMARKS.md, issue 6) whole programs run at 1.15-1.25x that floor for greedy-only and 1.4-2.2x
+(BENCHMARKS.md, issue 6) whole programs run at 1.1-1.3x that floor for greedy-only and 1.24-2.0x
 for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
 8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
 order like the floats (`order_keys`): Triton's float max drops NaN, and the keys need two
@@ -34,7 +37,8 @@ reductions where explicit NaN handling needs four.
 
 On sm_90+ GPUs the step kernels can form a chain by programmatic dependent launch (``pdl``):
 each lets the stream's next kernel launch while it runs and waits on the GPU before it reads its
-rows' tokens, and `choose_tokens` is the token choice as a kernel of that chain.
+rows' tokens (the first step kernel after `token_kernels.block_noise`: before it reads the
+noise), and the token kernels of `token_kernels` take part in the chain.
 
 Rows are masked, not padded (no copy of U for a batch below the block height); the vocabulary tile is
 `sampling.vocab_tile(V)`, which must be at least 16 (the matrix unit's minimum), so V must be a
@@ -68,7 +72,7 @@ def row_block(batch: int, limit: int = 64) -> int:
   return max(MIN_ROWS, min(limit, 1 << max(batch - 1, 0).bit_length()))
 
 
-_BIG_INDEX = np.iinfo(np.int32).max
+BIG_INDEX = np.iinfo(np.int32).max
 _SIGN_FREE = np.int32(0x7FFFFFFF)  # every bit but the sign
 
 
@@ -102,7 +106,7 @@ def pdl_supported() -> bool:
     return False
 
 
-def _launch_control(instruction, lanes, interpret):
+def launch_control(instruction, lanes, interpret):
   """`lanes` unchanged, after the PTX `instruction` (programmatic dependent launch, sm_90+).
 
   ``griddepcontrol.launch_dependents`` lets the stream's next kernel launch (its instances then
@@ -119,24 +123,24 @@ def _launch_control(instruction, lanes, interpret):
   return same
 
 
-def _early_lanes(count, pdl, interpret):
+def early_lanes(count, pdl, interpret):
   """iota(`count`), after letting the next kernel launch and, unless `pdl` is "first" or "late",
   waiting for the kernels before (see `step_stats`)."""
   lanes = jax.lax.broadcasted_iota(jnp.int32, (count,), 0)
   if not pdl:
     return lanes
-  lanes = _launch_control("launch_dependents", lanes, interpret)
-  return lanes if pdl in ("first", "late") else _launch_control("wait", lanes, interpret)
+  lanes = launch_control("launch_dependents", lanes, interpret)
+  return lanes if pdl in ("first", "late") else launch_control("wait", lanes, interpret)
 
 
-def _row_first_max(values, indices):
+def row_first_max(values, indices):
   """Per row of [R, C]: (max, index of its first occurrence), a NaN beating everything (its first).
 
   `sampling.argmax_last`'s semantics, in operations the Triton lowering has.
   """
   keys = order_keys(values)
   best = jnp.max(keys, axis=1)
-  first = jnp.min(jnp.where(keys == best[:, None], indices, jnp.int32(_BIG_INDEX)), axis=1)
+  first = jnp.min(jnp.where(keys == best[:, None], indices, jnp.int32(BIG_INDEX)), axis=1)
   return key_value(best), first
 
 
@@ -194,31 +198,54 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
     plgpu.store(corrected_ref.at[window], corrected, mask=in_batch, eviction_policy=stream)
   x = corrected.astype(jnp.float32)
   columns = col0 + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
-  key, token = _row_first_max(x, columns)
-  if greedy_ref is not None:  # sampled rows keep (score, draw or first column) (`tile_choices`)
-    if wait_late:  # the noise comes from the kernel before (`block_noise`): read it after it ends
-      valid = _launch_control("wait", row_ids, interpret) < batch
-      in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
-    temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
-    log_mass = sampling.tile_log_mass(x, key, temperature)
-    score = log_mass  # without noise: `draw_tokens` adds the tile's Gumbel draw
-    if noise_ref is not None:
-      score = log_mass + plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid,
-                                    other=0.0)
-    if draws:  # the token this tile would give if chosen
-      inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
-                         mask=in_batch, other=0.0)
-      sampled = _row_first_max(x / temperature[:, None] + inner, columns)[1]
-    else:  # XLA draws inside the chosen tile (`sampling.tokens_in_chosen_tiles`)
-      sampled = jnp.full((rows,), col0, jnp.int32)
-    greedy = plgpu.load(greedy_ref.at[row_slice], mask=valid, other=1) != 0
-    if with_law:  # one nonzero term: exact, and a NaN or -inf logit passes through
-      draw_logit = (jnp.sum(jnp.where(columns == sampled[:, None], x, 0.0), axis=1) if draws
-                    else None)
-      law = (log_mass, draw_logit)
-    key = jnp.where(greedy, key, score)
-    token = jnp.where(greedy, token, sampled)
+  if greedy_ref is None:  # greedy-only: the tile's max and first argmax
+    return row_first_max(x, columns)
+  # Sampled rows keep (score, draw or first column), greedy rows (max, first argmax)
+  # (`tile_choices`).
+  if wait_late:  # the noise comes from the kernel before (`token_kernels.block_noise`)
+    valid = launch_control("wait", row_ids, interpret) < batch
+    in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
+  temperature = plgpu.load(temp_ref.at[row_slice], mask=valid, other=1.0)
+  greedy = load_greedy(greedy_ref, row_slice, valid)
+  if draws:  # the token this tile would give if chosen: argmax(x / T + G'), its inner noise G'
+    inner = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, pl.ds(tiles, tile)],
+                       mask=in_batch, other=0.0)
+    # One first-max serves both kinds of row: a greedy row's argmax and a sampled row's draw.
+    best, first = row_first_max(
+        jnp.where(greedy[:, None], x, x / temperature[:, None] + inner), columns)
+    # The log-mass's shift: a plain max (Triton's drops NaN; a NaN tile's mass is NaN anyway).
+    tile_max, sampled = jnp.max(x, axis=1), first
+  else:  # `token_kernels.draw_tokens` or XLA draws inside the chosen tile
+    best, first = row_first_max(x, columns)
+    tile_max, sampled = best, jnp.full((rows,), col0, jnp.int32)
+  log_mass = sampling.tile_log_mass(x, tile_max, temperature)
+  score = log_mass  # without noise: `token_kernels.draw_tokens` adds the tile's Gumbel draw
+  if noise_ref is not None:
+    score = log_mass + plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid,
+                                  other=0.0)
+  if with_law:  # one nonzero term: exact, and a NaN or -inf logit passes through
+    draw_logit = (jnp.sum(jnp.where(columns == sampled[:, None], x, 0.0), axis=1) if draws
+                  else None)
+    law = (log_mass, draw_logit)
+  key = jnp.where(greedy, best, score)
+  token = jnp.where(greedy, first, sampled)
   return (key, token, *law) if with_law else (key, token)
+
+
+def load_greedy(greedy_ref, index, mask):
+  """The rows' greedy flags as bool (rows outside `mask` read as greedy), from a bool or int mask."""
+  flag = greedy_ref.dtype == jnp.bool_
+  if mask is None:
+    rows = plgpu.load(greedy_ref.at[index])
+  else:
+    rows = plgpu.load(greedy_ref.at[index], mask=mask, other=True if flag else 1)
+  return rows if flag else rows != 0
+
+
+def greedy_mask(greedy):
+  """What the kernels take as the greedy mask: a bool mask as it is (a conversion would be an XLA
+  kernel in front of the chain), anything else as int32."""
+  return greedy if greedy.dtype == jnp.bool_ else greedy.astype(jnp.int32)
 
 
 def _w2_chunk(w2_ref, start, width, j, tile, cache_hints):
@@ -230,10 +257,10 @@ def _w2_chunk(w2_ref, start, width, j, tile, cache_hints):
 def _block_vectors(v_ref, block, gathers, rows, batch, pdl=False, interpret=False):
   """What `one_tile` takes as `v` for row block `block`: the ref of the vectors, or the block's
   tokens whose W1 rows it gathers (rows past the batch read token 0). With `pdl` the tokens are
-  read after the kernels before have finished (`_early_lanes`)."""
+  read after the kernels before have finished (`early_lanes`)."""
   if not gathers:
     return v_ref
-  row_ids = block * rows + _early_lanes(rows, pdl, interpret)
+  row_ids = block * rows + early_lanes(rows, pdl, interpret)
   return plgpu.load(v_ref.at[row_ids], mask=row_ids < batch, other=0)
 
 
@@ -301,7 +328,7 @@ def _head_inputs(v, w1, w2):
   return [v.astype(jnp.int32), w1, w2]
 
 
-def _compiler_params(num_warps, num_stages):
+def compiler_params(num_warps, num_stages):
   params = {name: value for name, value in (("num_warps", num_warps),
                                              ("num_stages", num_stages)) if value}
   return plgpu.CompilerParams(**params) if params else None
@@ -341,11 +368,12 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     base_logits: [B, γ, V] the backbone's logits (row `step` is read).
     temperature: [B] float32 clamped draft temperatures.
     noise: [γ, B, V/c + c] float32 Gumbel noise (`sampling.tile_noise` of every step's row keys;
-      slice `step` is read), or None (greedy-only).
+      slice `step` is read), or None: greedy-only, or sampled rows without draws whose scores are
+      the tiles' log-masses (`token_kernels.draw_tokens` adds the noise).
     corrected: [B, γ, V] the buffer to write slice `step` of (aliased in place), or None to allocate
       it (its other slices are then unwritten); ignored by the greedy-only variant.
-    greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant. Pass it as
-      int32 to spare a conversion per step.
+    greedy: [B] bool or int (nonzero: greedy row); needed by the sampling variant. A bool or
+      int32 mask is read as it is; other dtypes are converted on every call.
     w1: [V, r] the head's first matrix, or None (then `v` is the vector).
     step: static block position. greedy_only: no corrected logits, scores or draws.
     draws: sampling variant: each tile draws its token, and a sampled row's (key, token) per tile is
@@ -367,22 +395,25 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       per row and tile, the tile's log-mass and, with `draws`, its draw's corrected logit, from
       which the caller forms ``log q(x)`` of the row's token (`proposal.CompactLogits`); without
       draws, `chosen_tile_draws` then draws in the chosen tiles.
-    pdl: programmatic dependent launch (`_launch_control`): True lets the stream's next kernel
+    pdl: programmatic dependent launch (`launch_control`): True lets the stream's next kernel
       launch as soon as this one's instances have started, and reads the tokens only after the
       kernels before have finished; "first" only lets the next one launch (the chain's first
-      kernel). Needs `w1`. Before its wait an instance reads W2, the base logits, the noise, the
-      temperatures and the greedy mask, so these must come from before the chain's first kernel
-      (which is launched normally), and it writes nothing; `choose_tokens(pdl=True)` is the
-      token choice that takes part in such a chain.
+      kernel); "late" lets it launch and waits only before reading the noise, the temperatures
+      and the greedy mask (the first step after `token_kernels.block_noise`, which writes the
+      noise). Needs `w1`. Before its wait an instance reads W2 and the base logits (with True,
+      also the noise, the temperatures and the greedy mask), so these must come from before the
+      chain's first kernel (which is launched normally); it writes nothing before its wait but
+      the corrected logits of "late" (no kernel before it touches them). The token kernels of
+      `token_kernels` (``pdl=True``) take part in such a chain.
     prefetch: with ``pdl=True``, each instance loads its tile's first rank chunk of W2 before it
       waits (one tile per instance and a rank loop only).
     padded_pairs: keep the padded rows of ``tile_key`` and ``tile_token`` also without `pdl`
-      (for a kernel that reads the first B rows in place, such as `draw_tokens`).
+      (for a kernel that reads the first B rows in place, such as `token_kernels.draw_tokens`).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
-    A `StepStats`; with `pdl` or `padded_pairs`, ``tile_key`` and ``tile_token`` keep the kernel's padded rows
-    ([row blocks · rows, V/c]; `choose_tokens` reads the first B in place).
+    A `StepStats`; with `pdl` or `padded_pairs`, ``tile_key`` and ``tile_token`` keep the
+    kernel's padded rows ([row blocks · rows, V/c]; the token kernels read the first B in place).
   """
   batch = v.shape[0]
   rank, vocab = w2.shape
@@ -394,7 +425,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     late_base = not greedy_only and not draws
   if not greedy_only and noise is None and (draws or not store_logits):
     raise ValueError("noise: the sampling variant needs every step's tile noise, unless it "
-                     "stores the logits without draws (then `draw_tokens` draws)")
+                     "stores the logits without draws (then `token_kernels.draw_tokens` draws)")
   if not greedy_only and greedy is None:
     raise ValueError("greedy: the sampling variant needs the rows' greedy mask")
   if pdl and w1 is None:
@@ -410,7 +441,7 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
   inputs = _head_inputs(v, w1, w2) + [base_logits, temperature.astype(jnp.float32)]
   aliases = {}
   if not greedy_only:
-    inputs += [greedy.astype(jnp.int32)] if noise is None else [noise, greedy.astype(jnp.int32)]
+    inputs += [greedy_mask(greedy)] if noise is None else [noise, greedy_mask(greedy)]
   if not store_logits:  # the tiles' log-masses, and with draws their draws' logits
     out_shape += [stat(jnp.float32)] * (2 if draws else 1)
   elif not greedy_only:
@@ -431,11 +462,11 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       out_specs=[pl.no_block_spec] * len(out_shape),
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=_compiler_params(num_warps, num_stages),
+      compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
   )(*inputs)
   cut = lambda x: x[:batch]
-  # With pdl the pairs keep the padded rows: a slice before `choose_tokens` would be a copy.
+  # With pdl the pairs keep the padded rows: a slice before the token kernel would be a copy.
   cut_pair = (lambda x: x) if pdl or padded_pairs else cut
   if greedy_only:
     return StepStats(None, cut_pair(outs[0]), cut_pair(outs[1]))
@@ -443,208 +474,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
     return StepStats(None, cut_pair(outs[0]), cut_pair(outs[1]), *map(cut, outs[2:]),
                      *([None] if len(outs) == 3 else []))
   return StepStats(outs[0], cut_pair(outs[1]), cut_pair(outs[2]))
-
-
-def _write_token(refs, row, step, token, blocks):
-  """Writes a row's [1] token to the [B] output and, with `blocks`, to column `step` of the
-  [B, γ] block (the last two refs are the outputs; an aliased block input comes before them)."""
-  if not blocks:
-    refs[-1][pl.ds(row, 1)] = token
-    return
-  refs[-2][pl.ds(row, 1)] = token
-  refs[-1][pl.ds(row, 1), jnp.int32(step)] = token
-
-
-def _choice_kernel(key_ref, token_ref, *refs, tiles, width, step, pdl, interpret, blocks):
-  row = pl.program_id(0)
-  lanes = _early_lanes(width, pdl, interpret)
-  present = lanes < tiles
-  key = plgpu.load(key_ref.at[row, lanes], mask=present, other=-jnp.inf)
-  token = plgpu.load(token_ref.at[row, lanes], mask=present, other=_BIG_INDEX)
-  _, first = _row_first_max(key[None, :], token[None, :])
-  _write_token(refs, row, step, first, blocks)
-
-
-def _token_outputs(batch, block, gamma):
-  """Out shapes, inputs and aliases for the [B] tokens and, with `gamma`, the [B, γ] block."""
-  if gamma is None:
-    return [jax.ShapeDtypeStruct((batch,), jnp.int32)], [], {}
-  shapes = [jax.ShapeDtypeStruct((batch,), jnp.int32),
-            jax.ShapeDtypeStruct((batch, gamma), jnp.int32)]
-  return (shapes, [], {}) if block is None else (shapes, [block], {"block": 1})
-
-
-def _call_with_tokens(kernel, inputs, batch, block, gamma, interpret):
-  """The per-row token kernel over `inputs`, writing into `block` [B, γ] in place when given."""
-  shapes, extra, alias = _token_outputs(batch, block, gamma)
-  outs = pl.pallas_call(
-      functools.partial(kernel, blocks=gamma is not None),
-      grid=(batch,),
-      in_specs=[pl.no_block_spec] * (len(inputs) + len(extra)),
-      out_specs=[pl.no_block_spec] * len(shapes),
-      out_shape=shapes,
-      input_output_aliases={len(inputs): alias["block"]} if alias else {},
-      compiler_params=_compiler_params(4, None),
-      interpret=interpret,
-  )(*inputs, *extra)
-  return outs[0] if gamma is None else tuple(outs)
-
-
-@functools.partial(jax.jit, static_argnames=("batch", "pdl", "step", "gamma", "interpret"))
-def choose_tokens(tile_key, tile_token, block=None, *, batch=None, pdl=False, step=0, gamma=None,
-                  interpret=False):
-  """`sampling.tokens_from_tile_choices` as a Pallas kernel, one instance per row: the token of
-  the tile with the largest key (ties: the smaller token; NaN first), [B] int32, for the first
-  `batch` rows of the [rows, V/c] pairs (None: all).
-
-  It exists for `pdl` (see `step_stats`): XLA's own reduction cannot let the next step's kernel
-  launch early or wait for this one, so a chain of step kernels with PDL needs its token choice
-  to take part. With `gamma` it also writes the tokens into column `step` of the block's
-  [B, γ] tokens, in place into `block` (None: a new buffer whose other columns are unwritten),
-  and returns ``(tokens [B], block [B, γ])``: the block then needs no stacking after the chain.
-  """
-  rows, tiles = tile_key.shape
-  batch = rows if batch is None else batch
-  width = max(16, 1 << (tiles - 1).bit_length())  # a power of two for the lanes
-  kernel = functools.partial(_choice_kernel, tiles=tiles, width=width, step=step, pdl=pdl,
-                             interpret=interpret)
-  return _call_with_tokens(kernel, [tile_key, tile_token], batch, block, gamma, interpret)
-
-
-def _first_max_of_halves(key_even, token_even, key_odd, token_odd):
-  """`_row_first_max` over the union of two [1, n] halves: (max, its smallest token), [1]."""
-  even, odd = order_keys(key_even), order_keys(key_odd)
-  best = jnp.maximum(jnp.max(even, axis=1), jnp.max(odd, axis=1))
-  first = lambda keys, tokens: jnp.min(
-      jnp.where(keys == best[:, None], tokens, jnp.int32(_BIG_INDEX)), axis=1)
-  return key_value(best), jnp.minimum(first(even, token_even), first(odd, token_odd))
-
-
-def _pair_gumbels(k0, k1, domain, pairs):
-  """Draws ``2p`` and ``2p + 1`` of `domain` (`sampling.counter_gumbel`) for int32 [n] `pairs`,
-  as two [1, n] halves: one Threefry block gives both."""
-  y0, y1 = sampling.threefry2x32((k0, k1), (pairs.astype(jnp.uint32), jnp.uint32(domain)))
-  return sampling.gumbel_of_bits(y0)[None, :], sampling.gumbel_of_bits(y1)[None, :]
-
-
-def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_ref, seed_ref,
-                 position_ref, *refs, tiles, half, tile, step, pdl, interpret, blocks):
-  row = pl.program_id(0)
-  one = pl.ds(row, 1)
-  pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
-  if pdl:
-    pairs = _launch_control("launch_dependents", pairs, interpret)
-  # The row's noise first: it depends on no kernel before, so it overlaps them under pdl.
-  base = (words_ref[pl.ds(0, 1)], words_ref[pl.ds(1, 1)])
-  k0, k1 = sampling.row_key_words(base, sampling.Stream.DRAFT, seed_ref[one],
-                                  position_ref[one] + (step + 1))
-  tile_even, tile_odd = _pair_gumbels(k0, k1, sampling.TILE_DOMAIN, pairs)
-  columns = jax.lax.broadcasted_iota(jnp.int32, (tile // 2,), 0)
-  column_even, column_odd = _pair_gumbels(k0, k1, sampling.COLUMN_DOMAIN, columns)
-  greedy = greedy_ref[one] != 0
-  temperature = temp_ref[one]
-  if pdl:  # through the noise, so that it is computed before the wait (a Gumbel is finite)
-    pairs = _launch_control("wait", pairs + jnp.where(tile_even[0] == jnp.inf, 1, 0), interpret)
-  lanes = [2 * pairs, 2 * pairs + 1]
-  keys = [plgpu.load(key_ref.at[row, t], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
-  tokens = [plgpu.load(token_ref.at[row, t], mask=t < tiles, other=_BIG_INDEX)[None, :]
-            for t in lanes]
-  # A sampled row's key is its tile's log-mass: with the tile's draw added, the max is the tile.
-  keys = [jnp.where(greedy[:, None], k, k + g) for k, g in zip(keys, (tile_even, tile_odd))]
-  _, token = _first_max_of_halves(keys[0], tokens[0], keys[1], tokens[1])
-  # The draw inside the chosen tile (a sampled row's token is the tile's first column).
-  sampled = jnp.broadcast_to(~greedy[:, None], (1, tile // 2))
-  within = [2 * columns[None, :], 2 * columns[None, :] + 1]
-  logits = [plgpu.load(corrected_ref.at[row, jnp.int32(step), token[:, None] + c], mask=sampled,
-                       other=0.0).astype(jnp.float32) for c in within]
-  scores = [x / temperature[:, None] + g for x, g in zip(logits, (column_even, column_odd))]
-  _, column = _first_max_of_halves(scores[0], within[0], scores[1], within[1])
-  _write_token(refs, row, step, jnp.where(greedy, token, token + column), blocks)
-
-
-@functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "interpret"))
-def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words, seeds, positions,
-                block=None, *, step, batch=None, pdl=False, gamma=None, interpret=False):
-  """The token choice of a sampling step that draws: `choose_tokens` plus the two-level sampler's
-  noise and in-tile draw (`sampling`), one kernel instance per row.
-
-  It takes the step kernel's pairs without noise (``step_stats(noise=None, draws=False)``: a
-  sampled row's key per tile is the tile's log-mass, its token the tile's first column), derives
-  the row's key (`sampling.row_key_words` of ``(key, seed, position + step + 1, Stream.DRAFT)``),
-  adds each tile's Gumbel draw, chooses the tile, and draws inside it from the stored corrected
-  logits: the noise `sampling.tile_noise` gives these keys, so the token is the one
-  `sampling.tokens_from_tile_stats` gives. The noise comes first: under `pdl` it overlaps the
-  step kernel before, and the sampling block draws none up front.
-
-  Args:
-    tile_key, tile_token: [rows, V/c] float32 and int32 pairs of the step kernel (rows >= B).
-    corrected: [B, γ, V] the stored corrected logits (slice `step` is read).
-    greedy: [B] int32 (nonzero: greedy row). temperature: [B] float32 (clamped).
-    key_words: [2] uint32 `sampling.key_words` of the block's key. seeds: [B] uint32.
-    positions: [B] int32 the anchors' positions.
-    step: static block position. batch: rows to choose for (None: all of `tile_key`'s).
-    pdl: programmatic dependent launch (`step_stats`): let the next kernel launch at once, and
-      wait for the kernels before only once the noise is drawn.
-    block, gamma: as in `choose_tokens` (the block's [B, γ] tokens, written in place).
-
-  Returns:
-    [B] int32 tokens; with `gamma`, ``(tokens, block)``.
-  """
-  rows, tiles = tile_key.shape
-  batch = rows if batch is None else batch
-  tile = corrected.shape[2] // tiles
-  half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
-  kernel = functools.partial(_draw_kernel, tiles=tiles, half=half, tile=tile, step=step, pdl=pdl,
-                             interpret=interpret)
-  inputs = [tile_key, tile_token, corrected, greedy.astype(jnp.int32),
-            temperature.astype(jnp.float32), key_words.astype(jnp.uint32),
-            seeds.astype(jnp.uint32), positions.astype(jnp.int32)]
-  return _call_with_tokens(kernel, inputs, batch, block, gamma, interpret)
-
-
-def _noise_kernel(words_ref, seed_ref, position_ref, noise_ref, *, tiles, tile, half, pdl,
-                  interpret):
-  step, row = pl.program_id(0), pl.program_id(1)
-  pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
-  if pdl:  # the chain's first kernel: the step kernel launches at once and waits late
-    pairs = _launch_control("launch_dependents", pairs, interpret)
-  one = pl.ds(row, 1)
-  base = (words_ref[pl.ds(0, 1)], words_ref[pl.ds(1, 1)])
-  k0, k1 = sampling.row_key_words(base, sampling.Stream.DRAFT, seed_ref[one],
-                                  position_ref[one] + (step + 1))
-  columns = jax.lax.broadcasted_iota(jnp.int32, (tile // 2,), 0)
-  for domain, lanes, start, count in ((sampling.TILE_DOMAIN, pairs, 0, tiles),
-                                      (sampling.COLUMN_DOMAIN, columns, tiles, tile)):
-    for parity, values in enumerate(_pair_gumbels(k0, k1, domain, lanes)):
-      index = 2 * lanes + parity
-      plgpu.store(noise_ref.at[step, row, start + index], values[0], mask=index < count)
-
-
-@functools.partial(jax.jit, static_argnames=("gamma", "tiles", "tile", "pdl", "interpret"))
-def block_noise(key_words, seeds, positions, *, gamma, tiles, tile, pdl=False, interpret=False):
-  """[γ, B, V/c + c] float32: every step's `sampling.tile_noise` of the draft rows' keys, as one
-  Pallas kernel (one instance per step and row, a Threefry block per two draws).
-
-  The same values as ``tile_noise(row_keys(key, seeds, positions + k + 1, Stream.DRAFT))`` for
-  step k; with `pdl` the kernel first lets the next one launch, so that the first step kernel
-  (``step_stats(pdl="late")``) streams its W2 tiles while the noise is drawn.
-
-  Args:
-    key_words: [2] uint32 `sampling.key_words` of the block's key. seeds: [B] uint32.
-    positions: [B] int32 the anchors' positions. gamma, tiles, tile: static sizes.
-  """
-  batch = seeds.shape[0]
-  half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
-  return pl.pallas_call(
-      functools.partial(_noise_kernel, tiles=tiles, tile=tile, half=half, pdl=pdl,
-                        interpret=interpret),
-      grid=(gamma, batch),
-      in_specs=[pl.no_block_spec] * 3,
-      out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((gamma, batch, tiles + tile), jnp.float32),
-      compiler_params=_compiler_params(4, None),
-      interpret=interpret,
-  )(key_words.astype(jnp.uint32), seeds.astype(jnp.uint32), positions.astype(jnp.int32))
 
 
 def _chosen_tile_kernel(*refs, gathers, rows, tile, **static):
@@ -700,7 +529,7 @@ def chosen_tile_draws(v, w2, base_logits, temperature, noise, greedy, chosen, *,
       in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * 2,
       out_shape=out_shape,
-      compiler_params=_compiler_params(num_warps, num_stages),
+      compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
   )(*inputs)
   lane = jnp.arange(batch) % rows  # row b is lane b mod rows of its block

@@ -45,15 +45,17 @@ from dspark_jax import heads as heads_lib
 from dspark_jax import hopper_step
 from dspark_jax import sampling
 from dspark_jax import sampling_params as sp
+from dspark_jax import token_kernels
 
 PATH_FOLDED_SAMPLING = "folded-sampling"
 PATH_FOLDED_GREEDY = "folded-greedy"
 PATH_EAGER = "eager"
 FORMS = ("loop", "unrolled", "pallas")
 TILE_DRAWS_BELOW_BATCH = 64
-"""Batches below this draw every tile's token in the kernel (``draws``); larger ones draw in XLA from
-the chosen tile: the per-tile draws cost the kernel more than the XLA draw costs at 64 rows and up
-(H200, BENCHMARKS.md, issue 6)."""
+"""Batches below this draw every tile's token in the kernel (``draws``); larger ones draw in the
+chosen tile, in the token choice (`token_kernels.draw_tokens`): the per-tile draws cost the kernel
+more than the draw after the choice costs at 64 rows and up, and less below (H200, BENCHMARKS.md,
+issue 6, versions 9 and 27)."""
 HOPPER_FROM_BATCH = 128
 """Greedy-only blocks of this many rows and more (in multiples of 64) run `hopper_step` by default
 on a Hopper GPU: 9-16 % faster than the Triton step kernel at 128 rows on an H200, 1-10 % slower
@@ -252,14 +254,14 @@ def _block_step(kind, head_params, conf_params, greedy_only, k, prev, state, bas
 
 def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, greedy, temperature,
                   seeds, positions, key, greedy_only, pallas_options, store_logits=True):
-  """The γ steps unrolled: per step one `fused_step` kernel, then the token choice in XLA.
+  """The γ steps unrolled: per step one `fused_step` kernel, then the token choice.
 
   A vanilla head without a confidence head has its ``W1[x_prev]`` gathered inside the kernel
-  (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). Every step's noise
-  is drawn up front. The kernel keeps each row's (key, token) pair per tile, and the choice is one
-  reduction over the tiles. Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``) every
-  tile has drawn its token in the kernel; else the reduction chooses a sampled row's tile and XLA
-  draws inside it.
+  (``("w1_in_kernel", False)`` in `pallas_options` gathers it in XLA instead). The kernel keeps
+  each row's (key, token) pair per tile, and the choice is one reduction over the tiles (XLA's, or
+  a kernel of `token_kernels`). Below `TILE_DRAWS_BELOW_BATCH` rows (or with ``("draws", True)``)
+  every tile has drawn its token in the kernel, with every step's noise drawn before the first
+  step; else the reduction chooses a sampled row's tile and draws inside it (below).
 
   ``("persistent", True)`` (vanilla head, at most `fused_block.MAX_ROWS` rows) runs the whole block
   in one persistent kernel instead (`fused_block.block_tokens`; ``("programs", P)`` sets its grid):
@@ -276,14 +278,22 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
   takes it only when asked (no form of it has been faster than the Triton kernel on an H200).
 
+  Without per-tile draws (from `TILE_DRAWS_BELOW_BATCH` rows), the token choice draws:
+  `token_kernels.draw_tokens` derives each row's key, adds the tiles' Gumbel draws to their
+  log-masses, chooses the tile and draws inside it from the stored corrected logits, so no noise
+  is drawn up front (``("choice", False)`` leaves the draw to XLA after its reduction instead).
+
   ``("pdl", True)`` chains the per-step Triton kernels by programmatic dependent launch: each
-  step's token choice is `fused_step.choose_tokens` (the same reduction as a kernel), and each
+  step's token choice is `token_kernels.choose_tokens` (the same reduction as a kernel), and each
   kernel lets the next one launch once its own instances run, the next waiting before it reads
-  the token (``("prefetch", True)``: after loading its first chunk of W2). It is the default on
-  GPUs that have it (`fused_step.pdl_supported`) where the chain applies: W1 gathered in the
-  kernel and the token chosen from the tiles alone (greedy-only, or per-tile draws); elsewhere
-  asking for it is an error. Same tokens and logits bit for bit; on an H200 up to 5 % faster
-  (BENCHMARKS.md, issue 6, version 25).
+  the token (``("prefetch", True)``: after loading its first chunk of W2). With per-tile draws the
+  noise is the chain's first kernel (`token_kernels.block_noise`), and the first step kernel waits
+  for it only before its epilogue. The token kernels write the block's tokens in place. It is the
+  default on GPUs that have it (`fused_step.pdl_supported`) where the chain applies: W1 gathered
+  in the kernel and the token chosen from the tiles alone (greedy-only, or per-tile draws); it
+  also applies to the token choice that draws, where it is not the default (no faster on an
+  H200); elsewhere asking for it is an error. Same tokens and logits bit for bit (BENCHMARKS.md,
+  issue 6, versions 25 and 28).
 
   ``store_logits=False`` (sampling variant, the per-step Triton kernel only) writes no corrected
   logits but each tile's log-mass; with per-tile draws also each draw's logit, else
@@ -305,7 +315,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   if draws is None:
     draws = batch < TILE_DRAWS_BELOW_BATCH and not choice
   draws = draws and not greedy_only
-  # Without per-tile draws the token choice draws (`fused_step.draw_tokens`), where it can.
+  # Without per-tile draws the token choice draws (`token_kernels.draw_tokens`), where it can.
   if choice is None:
     choice = not (greedy_only or draws or compact or hopper or persistent)
   choice = choice and not greedy_only
@@ -332,7 +342,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   prev = prev_of_block = anchor.astype(jnp.int32)
   state = jnp.zeros((batch, head_params["w1"].shape[1]), jnp.float32)
   corrected, tokens, confidence, vectors, log_q, block = None, [], [], [], [], None
-  noise, greedy_rows = None, greedy.astype(jnp.int32)  # converted once, not per step
+  # The kernels read a bool mask as it is; another dtype is converted once, not per step.
+  noise, greedy_rows = None, greedy if greedy.dtype == jnp.bool_ else greedy.astype(jnp.int32)
   # In a pdl chain with tile draws, the noise is the chain's first kernel, and the first step
   # kernel waits for it only before its epilogue (pdl="late").
   noise_kernel = pdl and draws and not persistent
@@ -340,8 +351,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     key_words = sampling.key_words(key)
   if noise_kernel:
     tile = sampling.vocab_tile(vocab)
-    noise = fused_step.block_noise(key_words, seeds, positions, gamma=gamma, tiles=vocab // tile,
-                                   tile=tile, pdl=True, interpret=interpret)
+    noise = token_kernels.block_noise(key_words, seeds, positions, gamma=gamma,
+                                      tiles=vocab // tile, tile=tile, pdl=True,
+                                      interpret=interpret)
   elif not (choice or greedy_only):  # one small program, not γ chains of them
     tile = sampling.vocab_tile(vocab)
     steps = positions[None, :] + jnp.arange(1, gamma + 1, dtype=positions.dtype)[:, None]
@@ -394,12 +406,13 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     corrected = stats.corrected
     # The token-choice kernels also write the block's tokens in place (no stacking at the end).
     if choice:  # the token choice adds the noise and draws in the chosen tile
-      prev, block = fused_step.draw_tokens(
+      prev, block = token_kernels.draw_tokens(
           stats.tile_key, stats.tile_token, corrected, greedy_rows, temperature, key_words, seeds,
           positions, block, step=k, batch=batch, pdl=bool(pdl), gamma=gamma, interpret=interpret)
     elif pdl:  # the same reduction as a kernel of the chain
-      prev, block = fused_step.choose_tokens(stats.tile_key, stats.tile_token, block, batch=batch,
-                                             pdl=True, step=k, gamma=gamma, interpret=interpret)
+      prev, block = token_kernels.choose_tokens(
+          stats.tile_key, stats.tile_token, block, batch=batch, pdl=True, step=k, gamma=gamma,
+          interpret=interpret)
     else:
       prev = sampling.tokens_from_tile_choices(stats.tile_key, stats.tile_token)  # one reduction
     if compact and not draws:  # no logits to reread: the chosen tiles again, by the same code
@@ -457,7 +470,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   with one `fused_step` kernel per step (needs V divisible by 16; on the CPU it runs in Pallas'
   interpreter, slowly: for tests). `pallas_options`: static ``((name, value), ...)`` passed to
   `fused_step.step_stats` (``rows``, ``num_warps``, ``num_stages``, ``k_chunk``,
-  ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows),
+  ``tiles_per_program``, ``draws``: default below `TILE_DRAWS_BELOW_BATCH` rows), ``choice``
+  (default where there are no draws: the token choice draws, `token_kernels.draw_tokens`),
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;

@@ -3,9 +3,13 @@
 This module owns two things:
 
 * **Random streams.** A row's randomness is a pure function of ``(key, seed, position, stream)``
-  (`row_keys`): the base key is folded with the stream id, then the request's seed, then the absolute
-  position of the token being drawn. Nothing about the other rows enters, so adding, removing,
-  reordering or padding rows never changes a request's samples.
+  (`row_keys`): the base key's words key a Threefry block with the stream id, whose output keys
+  one more block with the request's seed and the absolute position of the token being drawn.
+  Nothing about the other rows enters, so adding, removing, reordering or padding rows never
+  changes a request's samples. The two-level sampler's noise is counter-based under the row's
+  key (`tile_noise`, `counter_gumbel`): Threefry-2x32 (`threefry2x32`) written in uint32
+  arithmetic, which XLA fuses into one kernel and a Pallas kernel can run (`token_kernels`'
+  `block_noise` and `draw_tokens` draw the same values on the GPU).
 * **One sampling step** (`sample_tokens`, and the validated public entry point `sample_step`): greedy
   rows take ``argmax(logits)`` (ties -> smallest index); sampled rows take an exact sample of
   ``softmax(logits / T)`` by *two-level Gumbel-max* over vocabulary tiles of ``c`` columns
@@ -17,12 +21,11 @@ This module owns two things:
      ``P(i | t*) = e^{logits_i/T - S_t*}``.
 
   The product is ``softmax(logits / T)_i`` exactly: the Gumbel-max trick applied twice. It needs
-  ``V/c + c`` noise draws per row instead of ``V``. Per-logit noise costs a 20-round Threefry block per two logits, about 45
-  integer operations per logit, which at B = 128 is as much integer work per step as the step's
-  whole memory floor allows for. The tile statistics cost one ``exp`` per logit, and a kernel can
-  compute them while it produces the logits (`fused_step` does, in Pallas). Greedy rows reduce per-tile
-  ``(max, first argmax)`` pairs. The noise is counter-based: `threefry2x32` under the row's key
-  (`tile_noise`, `counter_gumbel`), in integer arithmetic that XLA fuses and a kernel can run.
+  ``V/c + c`` noise draws per row instead of ``V``. Per-logit noise would cost a 20-round
+  Threefry block per two logits, about 45 integer operations per logit, which at B = 128 is as
+  much integer work per step as the step's whole memory floor allows for. The tile statistics
+  cost one ``exp`` per logit, and a kernel can compute them while it produces the logits
+  (`fused_step` does, in Pallas). Greedy rows reduce per-tile ``(max, first argmax)`` pairs.
 
 Edge cases, defined here and tested:
 

@@ -156,7 +156,7 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-pdl": (("pdl", True),),                       # step kernels chained by PDL
     "pallas-pdlp": (("pdl", True), ("prefetch", True)),   # ... each W2 tile's first chunk early
     "pallas-nopdl": (("pdl", False),),  # the steps not chained (a Triton setting: no Hopper kernel)
-    "pallas-choice": (("choice", True),),   # the token choice draws (`fused_step.draw_tokens`)
+    "pallas-choice": (("choice", True),),   # the token choice draws (`token_kernels.draw_tokens`)
     "pallas-choice-pdl": (("choice", True), ("pdl", True)),
     "pallas-xladraw": (("draws", False), ("choice", False)),  # XLA draws in the chosen tile
 }

@@ -57,7 +57,7 @@ def chain_kernel(programs, iterations, trigger, wait):
 
 def triton_chain_kernel(programs, iterations, trigger, wait):
   """The same in Pallas' Triton lowering, with the two instructions as the library writes them
-  (`fused_step._launch_control`: inline assembly that passes the load's lane indices through)."""
+  (`fused_step.launch_control`: inline assembly that passes the load's lane indices through)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 
@@ -67,9 +67,9 @@ def triton_chain_kernel(programs, iterations, trigger, wait):
     program = pl.program_id(0)
     lanes = lax.broadcasted_iota(jnp.int32, (x_ref.shape[1],), 0)
     if trigger:
-      lanes = fused_step._launch_control("launch_dependents", lanes, interpret=False)
+      lanes = fused_step.launch_control("launch_dependents", lanes, interpret=False)
     if wait:
-      lanes = fused_step._launch_control("wait", lanes, interpret=False)
+      lanes = fused_step.launch_control("wait", lanes, interpret=False)
     x = pltriton.load(x_ref.at[program, lanes])
     x = lax.fori_loop(0, iterations, lambda i, x: x * 1.0000001 + 1e-7, x)
     o_ref[program] = x

@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax import law_checks as reference
-from dspark_jax import fused_block, fused_step, proposal, sampling
+from dspark_jax import fused_block, fused_step, proposal, sampling, token_kernels
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")
@@ -160,7 +160,7 @@ XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
               ("cache_hints", False))
 TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
 XLA_DRAW = (("draws", False), ("choice", False))  # XLA reduces, then draws in the chosen tile
-CHOICE = (("choice", True),)  # the token choice draws (`fused_step.draw_tokens`), from 64 rows
+CHOICE = (("choice", True),)  # the token choice draws (`token_kernels.draw_tokens`), from 64 rows
 PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
 PDL = (("pdl", True),)  # kernels chained by programmatic dependent launch (a no-op on the CPU)
 
@@ -295,7 +295,7 @@ def test_kernel_first_max_keys_match_argmax():
   values[3, 30] = 0.0
   values[4, 3] = -np.nan
   columns = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), values.shape)
-  best, first = fused_step._row_first_max(jnp.asarray(values), columns)
+  best, first = fused_step.row_first_max(jnp.asarray(values), columns)
   np.testing.assert_array_equal(np.asarray(first), np.argmax(values, axis=1))
   want = np.max(values, axis=1)  # NaN where a NaN is present, as jnp.argmax's winner
   np.testing.assert_array_equal(np.asarray(best), want)  # equal as values: -0 == +0
@@ -328,7 +328,7 @@ def test_persistent_kernel_equals_the_step_kernels(batch):
 
 
 def test_choose_tokens_is_the_tile_reduction():
-  # `fused_step.choose_tokens` (the token choice of a pdl chain) against XLA's reduction
+  # `token_kernels.choose_tokens` (the token choice of a pdl chain) against XLA's reduction
   # (`sampling.tokens_from_tile_choices`) on pairs with the kernel's padded rows: ties between
   # tiles and between NaN keys (NaN beats every key; the smaller token wins), +inf, a row of -inf
   # keys, and a tile count that is not a power of two.
@@ -342,14 +342,14 @@ def test_choose_tokens_is_the_tile_reduction():
   key[3, -1] = np.inf
   want = sampling.tokens_from_tile_choices(jnp.asarray(key[:batch]), jnp.asarray(token[:batch]))
   for pdl in (False, True):
-    got = fused_step.choose_tokens(key, token, batch=batch, pdl=pdl, interpret=True)
+    got = token_kernels.choose_tokens(key, token, batch=batch, pdl=pdl, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert int(want[0]) == min(token[0, 3], token[0, 30])
   assert int(want[1]) == min(token[1, 4], token[1, 20]) and int(want[3]) == token[3, -1]
 
 
 def test_draw_tokens_is_the_two_level_draw():
-  # `fused_step.draw_tokens` (the token choice that draws) against `sampling.tokens_from_tile_stats`
+  # `token_kernels.draw_tokens` (the token choice that draws) against `sampling.tokens_from_tile_stats`
   # with the noise `sampling.tile_noise` gives the same rows' keys, at three block positions:
   # integer logits (exact ties inside and across tiles), a row of -inf (token 0), NaNs (the first
   # NaN), +inf (the first +inf), greedy and sampled rows, pairs with padded rows after the batch,
@@ -378,7 +378,7 @@ def test_draw_tokens_is_the_two_level_draw():
                                            greedy != 0, temperature,
                                            sampling.tile_noise(keys, tiles, tile))
     for pdl in (False, True):
-      got = fused_step.draw_tokens(*map(pad, pairs), corrected, greedy, temperature,
+      got = token_kernels.draw_tokens(*map(pad, pairs), corrected, greedy, temperature,
                                    sampling.key_words(key), seeds, positions, step=step,
                                    batch=batch, pdl=pdl, interpret=True)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
