@@ -1,11 +1,12 @@
-"""Issue 6 probe: what the sampling block's up-front noise costs, and what is left without it.
+"""Issue 6 probe: what the sampling block's noise costs, and what is left without it.
 
 For each batch size at V = 129280 (γ = 7, r = 256, bf16) it times, back to back (bursts of
 `bench_sampler.PIPELINE_CALLS` calls), the noise alone (every step's row keys and tile noise), as
 jax.random's ``fold_in`` chain and Philox draws (the form before session 9, rebuilt here) and as
 `sampling.row_keys` / `sampling.tile_noise` now; the whole Pallas block (sampling and greedy-only);
-and the sampling block with its noise passed in (drawn outside the timed program). It also counts
-the kernels XLA compiled for each noise program.
+and the sampling block with its noise passed in (drawn outside the timed program; below 64 rows,
+where the tiles draw). It also counts the kernels XLA compiled for each noise program. Session 9
+ran it before the noise became a kernel of the chain (BENCHMARKS.md, issue 6, version 27).
 
   PYTHONPATH=. python3 scripts/noise_probe.py [--batches 1,8,64,128] [--vocab 129280]
 """
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal, sampling
+from dspark_jax import heads, proposal, sampling, token_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402
@@ -61,16 +62,19 @@ def kernel_count(compiled) -> int:
 
 
 def block_with_noise(args, noise, greedy_only=False):
-  """The Pallas block with `noise` as an argument (row keys and tile noise patched out)."""
-  saved = sampling.row_keys, sampling.tile_noise
+  """The Pallas block with `noise` as an argument (row keys, XLA's tile noise and the noise
+  kernel patched out; from 64 rows the token choice draws its own noise, and this changes
+  nothing)."""
+  saved = sampling.row_keys, sampling.tile_noise, token_kernels.block_noise
   sampling.row_keys = lambda key, seeds, positions, stream: jnp.zeros(seeds.shape, jnp.uint32)
   sampling.tile_noise = lambda keys, tiles, tile: noise
+  token_kernels.block_noise = lambda *args, **kwargs: noise
   try:
     (head_arrays, conf, base, anchor, hidden, greedy, temperature, seeds, positions, key) = args
     return proposal._pallas_block("vanilla", head_arrays, conf, base, anchor, hidden, greedy,
                                   temperature, seeds, positions, key, greedy_only, ())
   finally:
-    sampling.row_keys, sampling.tile_noise = saved
+    sampling.row_keys, sampling.tile_noise, token_kernels.block_noise = saved
 
 
 def main(argv=None):
