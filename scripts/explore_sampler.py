@@ -159,6 +159,7 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-choice": (("choice", True),),   # the token choice draws (`token_kernels.draw_tokens`)
     "pallas-choice-pdl": (("choice", True), ("pdl", True)),
     "pallas-xladraw": (("draws", False), ("choice", False)),  # XLA draws in the chosen tile
+    "pallas-lateb": (("late_base", True),),  # the U_k tile loaded after the rank loop
 }
 
 def main(argv=None):
