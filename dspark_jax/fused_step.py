@@ -155,7 +155,10 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   batch read token 0), else the ref of the [B, r] vectors. `with_law` (sampling variant): also
   return each row's tile log-mass and, with `draws`, its draw's corrected logit (else None): the
   draft law without the logits (`step_stats(store_logits=False)`). `w2_first`: the tile's first
-  rank chunk of W2, loaded before the kernel waited (`step_stats(prefetch=True)`).
+  rank chunk of W2, loaded before the kernel waited (`step_stats(prefetch=True)`). `wait_late`:
+  wait for the kernels before only once the tile's logits are formed, before reading the noise,
+  temperatures and greedy mask (`step_stats(pdl="late")`). The sampling variant has `greedy_ref`;
+  with `noise_ref` None a sampled row's key is the tile's log-mass alone.
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
