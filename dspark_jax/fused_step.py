@@ -146,7 +146,7 @@ def row_first_max(values, indices):
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
-             with_law=False, w2_first=None, wait_late=False, interpret=False):
+             with_law=False, w2_first=None, wait_late=False, row_ids=None, interpret=False):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
@@ -157,12 +157,15 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   draft law without the logits (`step_stats(store_logits=False)`). `w2_first`: the tile's first
   rank chunk of W2, loaded before the kernel waited (`step_stats(prefetch=True)`). `wait_late`:
   wait for the kernels before only once the tile's logits are formed, before reading the noise,
-  temperatures and greedy mask (`step_stats(pdl="late")`). The sampling variant has `greedy_ref`;
-  with `noise_ref` None a sampled row's key is the tile's log-mass alone.
+  temperatures and greedy mask (`step_stats(pdl="late")`). `row_ids`: the [rows] row indices,
+  ``row0 + iota`` (None), or the same passed through a wait (`early_lanes`): every masked load
+  and store then comes after the wait. The sampling variant has `greedy_ref`; with `noise_ref`
+  None a sampled row's key is the tile's log-mass alone.
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
-  row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  if row_ids is None:
+    row_ids = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   valid = row_ids < batch
   in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
   window = (row_slice, jnp.int32(step), cols)
@@ -257,13 +260,11 @@ def _w2_chunk(w2_ref, start, width, j, tile, cache_hints):
                     eviction_policy="evict_last" if cache_hints else None)
 
 
-def _block_vectors(v_ref, block, gathers, rows, batch, pdl=False, interpret=False):
-  """What `one_tile` takes as `v` for row block `block`: the ref of the vectors, or the block's
-  tokens whose W1 rows it gathers (rows past the batch read token 0). With `pdl` the tokens are
-  read after the kernels before have finished (`early_lanes`)."""
+def _block_vectors(v_ref, row_ids, gathers, batch):
+  """What `one_tile` takes as `v` for the rows `row_ids`: the ref of the vectors, or the rows'
+  tokens whose W1 rows it gathers (rows past the batch read token 0)."""
   if not gathers:
     return v_ref
-  row_ids = block * rows + early_lanes(rows, pdl, interpret)
   return plgpu.load(v_ref.at[row_ids], mask=row_ids < batch, other=0)
 
 
@@ -292,13 +293,17 @@ def _kernel(*refs, gathers, greedy_only, draws, store_logits, tiles, tiles_per_p
   if prefetch:  # issued before the wait below: W2 does not depend on the kernels before
     w2_first = _w2_chunk(w2_ref, 0, static["k_chunk"], group, static["tile"],
                          static["cache_hints"])
-  v = _block_vectors(v_ref, block, gathers, rows, static["batch"], pdl, interpret)
+  # With pdl the row indices pass through the wait (`early_lanes`), and with them every masked
+  # load and store: only W2 (from before the chain) may be read before it.
+  row_ids = block * rows + early_lanes(rows, pdl, interpret)
+  v = _block_vectors(v_ref, row_ids, gathers, static["batch"])
 
   def run(j):
     key, token, *law = one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref,
                                 corrected_ref, row0=block * rows, draws=draws, tiles=tiles,
                                 with_law=bool(law_refs), w2_first=w2_first,
-                                wait_late=pdl == "late", interpret=interpret, **static)
+                                wait_late=pdl == "late", row_ids=row_ids, interpret=interpret,
+                                **static)
     # Statistics are [rows, tiles]: row-major, so the reduction over tiles reads contiguous memory.
     key_ref[row_slice, j] = key
     token_ref[row_slice, j] = token
@@ -403,11 +408,11 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       kernels before have finished; "first" only lets the next one launch (the chain's first
       kernel); "late" lets it launch and waits only before reading the noise, the temperatures
       and the greedy mask (the first step after `token_kernels.block_noise`, which writes the
-      noise). Needs `w1`. Before its wait an instance reads W2 and the base logits (with True,
-      also the noise, the temperatures and the greedy mask), so these must come from before the
-      chain's first kernel (which is launched normally); it writes nothing before its wait but
-      the corrected logits of "late" (no kernel before it touches them). The token kernels of
-      `token_kernels` (``pdl=True``) take part in such a chain.
+      noise). Needs `w1`. Every masked load and store of an instance follows its wait (the row
+      indices pass through it); W2, unmasked, may be read before, and with "first" and "late"
+      also the tokens, the base logits and (with "first") the noise, temperatures and greedy
+      mask, so these must come from before the chain's first kernel (which is launched
+      normally). `token_kernels`' kernels (``pdl=True``) take part in such a chain.
     prefetch: with ``pdl=True``, each instance loads its tile's first rank chunk of W2 before it
       waits (one tile per instance and a rank loop only).
     padded_pairs: keep the padded rows of ``tile_key`` and ``tile_token`` also without `pdl`
@@ -489,7 +494,8 @@ def _chosen_tile_kernel(*refs, gathers, rows, tile, **static):
   # The tile row `row` chose, for its whole row block: the same dot as the step's kernel.
   j = jnp.max(chosen_ref[pl.ds(row, 1)]) // tile
   _, token, _, draw_logit = one_tile(
-      j, _block_vectors(v_ref, block, gathers, rows, static["batch"]), w1_ref, w2_ref, base_ref,
+      j, _block_vectors(v_ref, block * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0),
+                        gathers, static["batch"]), w1_ref, w2_ref, base_ref,
       temp_ref, noise_ref, greedy_ref, None, row0=block * rows, rows=rows, tile=tile, draws=True,
       with_law=True, **static)
   token_ref[pl.ds(row, 1), :] = token[None, :]

@@ -8,8 +8,8 @@ This module owns two things:
   Nothing about the other rows enters, so adding, removing, reordering or padding rows never
   changes a request's samples. The two-level sampler's noise is counter-based under the row's
   key (`tile_noise`, `counter_gumbel`): Threefry-2x32 (`threefry2x32`) written in uint32
-  arithmetic, which XLA fuses into one kernel and a Pallas kernel can run (`token_kernels`'
-  `block_noise` and `draw_tokens` draw the same values on the GPU).
+  arithmetic, which XLA fuses and a Pallas kernel can run (`token_kernels`' `block_noise` and
+  `draw_tokens` draw the same values on the GPU).
 * **One sampling step** (`sample_tokens`, and the validated public entry point `sample_step`): greedy
   rows take ``argmax(logits)`` (ties -> smallest index); sampled rows take an exact sample of
   ``softmax(logits / T)`` by *two-level Gumbel-max* over vocabulary tiles of ``c`` columns
@@ -121,9 +121,8 @@ def row_keys(key: jax.Array, seeds: jax.Array, positions: jax.Array, stream: int
   """Derives one key per row from ``(key, seed, position, stream)`` only.
 
   The base key's words, through `threefry2x32` with the counter ``(stream, 0)``, key the block
-  function once more with the counter ``(seed, position)``: two blocks, plain integer arithmetic
-  that XLA fuses into whatever consumes the keys (jax.random's own ``fold_in`` chain cost four
-  kernels per call on a GPU).
+  function once more with the counter ``(seed, position)``: two blocks of plain integer
+  arithmetic, which a kernel can compute itself (`row_key_words`).
 
   Args:
     key: base PRNG key, a typed key (``jax.random.key``) or a raw uint32 key (``jax.random.PRNGKey``)
@@ -260,8 +259,9 @@ def tile_noise(keys: jax.Array, tiles: int, tile: int) -> jax.Array:
 
   The first `tiles` values choose the tile (draws 0 .. tiles-1 of `TILE_DOMAIN`), the last `tile`
   the column inside it (draws 0 .. tile-1 of `COLUMN_DOMAIN`), by `counter_gumbel` from the keys'
-  two words: one elementwise expression, which XLA compiles to one kernel with the keys'
-  derivation (`row_keys`) fused in.
+  two words: one elementwise expression, so that XLA fuses it (each value computes its Threefry
+  block and keeps one of the two words; the GPU's sampling blocks draw the noise in
+  `token_kernels` instead, a block per two values).
   """
   words = jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
   index = jnp.arange(tiles + tile, dtype=jnp.int32)
