@@ -57,24 +57,37 @@ chosen tile, in the token choice (`token_kernels.draw_tokens`): the per-tile dra
 more than the draw after the choice costs at 64 rows and up, and less below (H200, BENCHMARKS.md,
 issue 6, versions 9 and 27)."""
 HOPPER_FROM_BATCH = 128
-"""Greedy-only blocks of this many rows and more (in multiples of 64) run `hopper_step` by default
-on a Hopper GPU: 9-16 % faster than the Triton step kernel at 128 rows on an H200, 1-10 % slower
-at 64 (BENCHMARKS.md, issue 6, version 19)."""
+"""Blocks of this many rows and more run `hopper_step` by default on a Hopper GPU: greedy-only ones
+in multiples of 64, 9-16 % faster than the Triton step kernel at 128 rows on an H200 and 1-10 %
+slower at 64 (BENCHMARKS.md, issue 6, version 19); sampling ones in multiples of 128 whose rows
+fit the kernel's shared memory (128 at r = 256), 10-15 % faster at 128 rows and 5-9 % slower at 64
+(version 32)."""
 
 
 def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
-                      device: jax.Device | None = None) -> bool:
-  """Whether a greedy-only Pallas block takes `hopper_step` when `pallas_options` does not say.
+                      device: jax.Device | None = None, *, greedy_only: bool = True,
+                      rank: int | None = None) -> bool:
+  """Whether a Pallas block takes `hopper_step` when `pallas_options` does not say.
 
-  Yes on a GPU of compute capability 9 (Hopper: the kernel uses TMA and WGMMA), from
-  `HOPPER_FROM_BATCH` rows in multiples of 64, with V a multiple of 64 and bfloat16 W2 and base
-  logits (the measured case; a float32 W2 would run on the tensor cores at TF32 precision).
+  Yes on a GPU of compute capability 9 (Hopper: the kernels use TMA and WGMMA), from
+  `HOPPER_FROM_BATCH` rows, with bfloat16 W2 and base logits (the measured case; a float32 W2
+  would run on the tensor cores at TF32 precision): greedy-only blocks in multiples of 64 rows
+  with V a multiple of 64; sampling blocks (`rank` given) in multiples of 128 rows (two
+  warpgroups) with 128-column sampler tiles and shared memory for two pipeline stages
+  (`hopper_step.sampling_stages`).
   """
   device = device or jax.devices()[0]
   hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-  return (hopper and batch >= HOPPER_FROM_BATCH and batch % hopper_step.ROW_BLOCK == 0
-          and vocab % 64 == 0 and jnp.dtype(w2_dtype) == jnp.bfloat16
-          and jnp.dtype(logits_dtype) == jnp.bfloat16)
+  common = (hopper and batch >= HOPPER_FROM_BATCH and jnp.dtype(w2_dtype) == jnp.bfloat16
+            and jnp.dtype(logits_dtype) == jnp.bfloat16)
+  if greedy_only:
+    return common and batch % hopper_step.ROW_BLOCK == 0 and vocab % 64 == 0
+  if not (common and rank and batch % (2 * hopper_step.ROW_BLOCK) == 0
+          and sampling.vocab_tile(vocab) == 2 * hopper_step.PART):
+    return False
+  tiles_per_instance = -(-(vocab // sampling.vocab_tile(vocab)) // getattr(device, "core_count",
+                                                                          132))
+  return hopper_step.sampling_stages(batch, rank, tiles_per_instance) >= 2
 
 
 def choose_form(greedy_only: bool, vocab: int, platform: str | None = None) -> str:
@@ -272,11 +285,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   ``("hopper", True)`` (B a multiple of 64, any head) computes v in XLA and runs each step as a
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
-  corrected logits written in place into a `hopper_step.new_corrected` buffer; at r = 256 up to
-  128 rows; ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups). Greedy-only
-  blocks take it by default where `hopper_by_default` says so and no Triton kernel settings are
-  given; ``("hopper", False)`` keeps the Triton kernel. The sampling variant
-  takes it only when asked (no form of it has been faster than the Triton kernel on an H200).
+  corrected logits written in place into a `hopper_step.new_corrected` buffer, the tiles' pairs
+  tile-major, then `token_kernels.draw_tokens` chooses and draws; at r = 256 up to 128 rows;
+  ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups). Blocks take it by
+  default where `hopper_by_default` says so (from 128 rows: greedy-only in multiples of 64,
+  sampling in multiples of 128 that fit its shared memory) and no kernel settings are given;
+  ``("hopper", False)`` keeps the Triton kernel.
 
   Without per-tile draws (from `TILE_DRAWS_BELOW_BATCH` rows), the token choice draws:
   `token_kernels.draw_tokens` derives each row's key, adds the tiles' Gumbel draws to their
@@ -309,19 +323,24 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   compact = not (store_logits or greedy_only)
   draws, choice = options.pop("draws", None), options.pop("choice", None)
   # Settings for the Triton kernel (rows, warps, ...) keep it, unless hopper is asked for.
-  hopper = options.pop("hopper", greedy_only and not persistent and not interpret and not options
+  hopper = options.pop("hopper", not (persistent or interpret or options or compact)
+                       and (greedy_only or not (draws or choice is False))
                        and hopper_by_default(batch, vocab, head_params["w2"].dtype,
-                                             base_logits.dtype))
+                                             base_logits.dtype, greedy_only=greedy_only,
+                                             rank=head_params["w2"].shape[0]))
   if draws is None:
-    draws = batch < TILE_DRAWS_BELOW_BATCH and not choice
+    draws = batch < TILE_DRAWS_BELOW_BATCH and not (choice or hopper)
   draws = draws and not greedy_only
   # Without per-tile draws the token choice draws (`token_kernels.draw_tokens`), where it can.
   if choice is None:
-    choice = not (greedy_only or draws or compact or hopper or persistent)
+    choice = not (greedy_only or draws or compact or persistent)
   choice = choice and not greedy_only
-  if choice and (draws or compact or hopper or persistent):
+  if choice and (draws or compact or persistent):
     raise ValueError("pallas_options: choice (the token choice draws) is a setting of the "
-                     "per-step Triton kernel without draws, with store_logits=True")
+                     "per-step kernels without draws, with store_logits=True")
+  if hopper and not (greedy_only or choice):
+    raise ValueError("pallas_options: the hopper sampling kernel's token choice draws "
+                     "(`token_kernels.draw_tokens`): it takes neither draws nor choice=False")
   # Programmatic dependent launch chains the step kernels and their token choices (`fused_step`).
   chainable = not (hopper or persistent) and w1_in_kernel and (greedy_only or draws or choice)
   pdl = options.pop("pdl", chainable and not choice and not interpret
@@ -372,8 +391,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       confidence = jnp.stack([heads_lib.confidence_step(conf_params, hidden[:, k], e[:, k], k)
                               for k in range(gamma)], axis=1)
     return tokens, corrected, None if conf_params is None else confidence
-  if hopper and not greedy_only:  # tile-major tile noise; corrected logits written in place
-    tile_noise = jnp.swapaxes(noise[:, :, :vocab // sampling.vocab_tile(vocab)], 1, 2)
+  if hopper and not greedy_only:  # the corrected logits written in place
     corrected_ref = hopper_step.new_corrected(base_logits.shape, base_logits.dtype)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
@@ -382,12 +400,14 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       if greedy_only:
         prev = hopper_step.tokens(*hopper_step.greedy_partials(
             v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
-      else:
-        chosen = hopper_step.tokens(*hopper_step.sampling_partials(
+      else:  # the tiles' pairs, tile-major; the token choice draws
+        tile_key, tile_token = hopper_step.sampling_partials(
             v, head_params["w2"], base_logits, corrected_ref, temperature, greedy_rows,
-            tile_noise, step=k, interpret=interpret, **options))
-        prev = sampling.tokens_in_chosen_tiles(corrected_ref[...], chosen, greedy, temperature,
-                                               noise[k], step=k)
+            step=k, interpret=interpret, **options)
+        prev, block = token_kernels.draw_tokens(
+            tile_key, tile_token, corrected_ref[...], greedy_rows, temperature, key_words, seeds,
+            positions, block, step=k, batch=batch, gamma=gamma, tile_major=True,
+            interpret=interpret)
       tokens.append(prev)
       if conf_params is not None:
         confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
@@ -475,7 +495,7 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
-  default for greedy-only `hopper_by_default`, i.e. from 128 rows on a Hopper GPU, else off).
+  default where `hopper_by_default` says so, i.e. from 128 rows on a Hopper GPU, else off).
   `store_logits` (static, sampling variant): False returns a `CompactLogits` instead of the
   corrected logits, without its inputs attached (`CompactLogits.with_inputs`).
 

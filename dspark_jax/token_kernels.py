@@ -109,7 +109,7 @@ def _pair_gumbels(k0, k1, domain, pairs):
 
 
 def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_ref, seed_ref,
-                 position_ref, *refs, tiles, half, tile, step, pdl, interpret, blocks):
+                 position_ref, *refs, tiles, half, tile, step, pdl, tile_major, interpret, blocks):
   row = pl.program_id(0)
   one = pl.ds(row, 1)
   pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
@@ -128,8 +128,9 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
     gate = jnp.where(tile_even[0] == jnp.inf, 1, 0)
     pairs = fused_step.launch_control("wait", pairs + gate, interpret)
   lanes = [2 * pairs, 2 * pairs + 1]
-  keys = [plgpu.load(key_ref.at[row, t], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
-  tokens = [plgpu.load(token_ref.at[row, t], mask=t < tiles, other=fused_step.BIG_INDEX)[None, :]
+  at = (lambda t: (t, row)) if tile_major else (lambda t: (row, t))
+  keys = [plgpu.load(key_ref.at[at(t)], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
+  tokens = [plgpu.load(token_ref.at[at(t)], mask=t < tiles, other=fused_step.BIG_INDEX)[None, :]
             for t in lanes]
   # A sampled row's key is its tile's log-mass: with the tile's draw added, the max is the tile.
   keys = [jnp.where(greedy[:, None], k, k + g) for k, g in zip(keys, (tile_even, tile_odd))]
@@ -144,9 +145,11 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
   _write_token(refs, row, step, jnp.where(greedy, token, token + column), blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "interpret"))
+@functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "tile_major",
+                                             "interpret"))
 def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words, seeds, positions,
-                block=None, *, step, batch=None, pdl=False, gamma=None, interpret=False):
+                block=None, *, step, batch=None, pdl=False, gamma=None, tile_major=False,
+                interpret=False):
   """The token choice of a sampling step that draws: `choose_tokens` plus the two-level sampler's
   noise and in-tile draw (`sampling`), one kernel instance per row.
 
@@ -159,7 +162,8 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
   step kernel before, and the sampling block draws none up front.
 
   Args:
-    tile_key, tile_token: [rows, V/c] float32 and int32 pairs of the step kernel (rows >= B).
+    tile_key, tile_token: [rows, V/c] float32 and int32 pairs of the step kernel (rows >= B),
+      or tile-major (`tile_major`).
     corrected: [B, γ, V] the stored corrected logits (slice `step` is read).
     greedy: [B] bool or int (nonzero: greedy row). temperature: [B] float32 (clamped).
     key_words: [2] uint32 `sampling.key_words` of the block's key. seeds: [B] uint32.
@@ -168,16 +172,22 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
     pdl: programmatic dependent launch (`step_stats`): let the next kernel launch at once, and
       wait for the kernels before only once the noise is drawn.
     block, gamma: as in `choose_tokens` (the block's [B, γ] tokens, written in place).
+    tile_major: the pairs are [T, rows] with T >= V/c, row t < V/c tile t (rows after it
+      ignored): `hopper_step.sampling_partials`' pairs.
 
   Returns:
     [B] int32 tokens; with `gamma`, ``(tokens, block)``.
   """
-  rows, tiles = tile_key.shape
+  if tile_major:
+    rows, tile = tile_key.shape[1], sampling.vocab_tile(corrected.shape[2])
+    tiles = corrected.shape[2] // tile
+  else:
+    rows, tiles = tile_key.shape
+    tile = corrected.shape[2] // tiles
   batch = rows if batch is None else batch
-  tile = corrected.shape[2] // tiles
   half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
   kernel = functools.partial(_draw_kernel, tiles=tiles, half=half, tile=tile, step=step, pdl=pdl,
-                             interpret=interpret)
+                             tile_major=tile_major, interpret=interpret)
   inputs = [tile_key, tile_token, corrected, fused_step.greedy_mask(greedy),
             temperature.astype(jnp.float32), key_words.astype(jnp.uint32),
             seeds.astype(jnp.uint32), positions.astype(jnp.int32)]

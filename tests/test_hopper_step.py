@@ -1,5 +1,6 @@
 """The experimental Hopper (Mosaic GPU) greedy step: exact in the interpreter, lowers for CUDA."""
 
+import functools
 import types
 
 import jax
@@ -204,7 +205,9 @@ def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
   # directly (inside a folded block the interpreter's two threads can stall on a 2-CPU host), at
   # V = 1280 (ten 128-column tiles over 4 instances), with an all -inf row, a NaN, an exact tie
   # across two tiles and greedy and sampled rows: keys, tokens and the corrected logits it writes
-  # equal the one-warpgroup kernel's bit for bit (CPU interpreter; on a GPU too, the same WGMMA).
+  # equal the one-warpgroup kernel's bit for bit in the CPU interpreter. On a GPU the tokens and
+  # logits do too (the same WGMMA), and the tiles' log-masses to float32 rounding: a row's exp sum
+  # is reduced across threads in another order from a [128, 64] accumulator than from [64, 64].
   batch, rank, vocab, gamma, step = 128, 64, 1280, 2, 1
   v, w2, base = _inputs(batch, rank, vocab, gamma, seed=4)
   v = v.at[:4].set(0)  # rows 0-3: corrected = base exactly
@@ -212,22 +215,46 @@ def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
   base = base.at[2:4, step, [70, 1250]].set(4.0)
   temperature = jnp.tile(jnp.array([0.5, 1.0, 2.0, 1.0]), batch // 4)
   greedy = (jnp.arange(batch) % 4 == 3).astype(jnp.int32)
-  noise = jax.random.gumbel(jax.random.key(5), (gamma, vocab // 128, batch), jnp.float32)
 
   def run(consumers):
     def kernel():
       corrected = hopper_step.new_corrected(base.shape, base.dtype)
       keys, tokens = hopper_step.sampling_partials(
-          v, w2, base, corrected, temperature, greedy, noise, step=step, programs=4,
+          v, w2, base, corrected, temperature, greedy, step=step, programs=4,
           consumers=consumers, reread=reread, interpret=CPU)
       return keys, tokens, jax.freeze(corrected)[:, step].astype(jnp.float32)
     return [np.asarray(x) for x in jax.jit(kernel)()]  # float32: NumPy matches NaN with NaN
 
-  for one, two in zip(run(1), run(2)):
-    np.testing.assert_array_equal(one, two)
+  one, two = run(1), run(2)
+  for a, b in zip(one[1:], two[1:]):
+    np.testing.assert_array_equal(a, b)
+  if CPU:
+    np.testing.assert_array_equal(one[0], two[0])
+  else:
+    np.testing.assert_allclose(one[0], two[0], rtol=1e-6, atol=1e-6)
+  # The pairs are the tiles' (`fused_step` without draws): [T, B] tile-major, T = 4 instances x
+  # 3 tiles each >= the 10 tiles, the rows past the last tile repeating it.
+  x = one[2]  # the corrected logits the kernel wrote, [B, V] float32
+  tiles = x.reshape(batch, 10, 128)
+  t = np.asarray(temperature)[:, None]
+  with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    want_max = tiles.max(axis=2)
+    shift = np.where(np.isfinite(want_max), want_max, 0.0) / t
+    want_mass = shift + np.log(np.exp(tiles / t[..., None] - shift[..., None]).sum(axis=2))
+  greedy_rows = np.asarray(greedy)[:, None] != 0
+  keys, tokens = one[0][:10].T, one[1][:10].T  # [B, tiles]
+  assert one[0].shape == (12, batch) and np.array_equal(one[0][10:], np.stack([one[0][9]] * 2))
+  np.testing.assert_array_equal(np.where(greedy_rows, keys, 0), np.where(greedy_rows, want_max, 0))
+  # Log-masses to float32 rounding: on a GPU the kernel's exp, log and division are the
+  # approximate instructions (ex2/lg2.approx, div.full), NumPy's differ in the last bits.
+  np.testing.assert_allclose(keys[~greedy_rows[:, 0]], want_mass[~greedy_rows[:, 0]], rtol=1e-6,
+                             atol=1e-5)
+  first = np.where(np.isnan(tiles).any(axis=2), np.argmax(np.isnan(tiles), axis=2),
+                   np.argmax(tiles, axis=2)) + 128 * np.arange(10)
+  np.testing.assert_array_equal(tokens, np.where(greedy_rows, first, 128 * np.arange(10)))
   with pytest.raises(ValueError, match="consumers: expected 1, or 2 with B a multiple of 128"):
     hopper_step.sampling_partials(v[:64], w2, base[:64], None, temperature[:64], greedy[:64],
-                                  noise[:, :, :64], step=step, consumers=2, interpret=CPU)
+                                  step=step, consumers=2, interpret=CPU)
 
 
 def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
@@ -249,16 +276,15 @@ def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch):
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   rank, vocab, gamma = 256, 129280, 7
 
-  def step(v, w2, base, temperature, greedy, noise):
+  def step(v, w2, base, temperature, greedy):
     corrected = hopper_step.new_corrected(base.shape, base.dtype)
-    pairs = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy, noise,
-                                          step=3, programs=132)
+    pairs = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy, step=3,
+                                          programs=132)
     return pairs, jax.freeze(corrected)
   lowered = jax.jit(step).trace(
       spec((batch, rank), jnp.bfloat16), spec((rank, vocab), jnp.bfloat16),
       spec((batch, gamma, vocab), jnp.bfloat16), spec((batch,), jnp.float32),
-      spec((batch,), jnp.int32), spec((gamma, vocab // 128, batch), jnp.float32)).lower(
-          lowering_platforms=("cuda",))
+      spec((batch,), jnp.int32)).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -269,6 +295,13 @@ def test_hopper_by_default_only_where_it_was_measured_to_win():
   assert proposal.hopper_by_default(256, 151936, bf16, bf16, hopper_gpu)
   assert not proposal.hopper_by_default(64, 129280, bf16, bf16, hopper_gpu)   # slower at 64 rows
   assert not proposal.hopper_by_default(160, 129280, bf16, bf16, hopper_gpu)  # not 64-row blocks
+  # Sampling: two warpgroups of 64 rows, and shared memory for two stages (128 rows at r = 256).
+  sampled = functools.partial(proposal.hopper_by_default, greedy_only=False, rank=256)
+  assert sampled(128, 129280, bf16, bf16, hopper_gpu) and sampled(128, 151936, bf16, bf16, hopper_gpu)
+  assert not sampled(64, 129280, bf16, bf16, hopper_gpu)    # slower at 64 rows
+  assert not sampled(192, 129280, bf16, bf16, hopper_gpu)   # not 128-row blocks
+  assert not sampled(256, 129280, bf16, bf16, hopper_gpu)   # v does not fit shared memory
+  assert not sampled(128, 129344, bf16, bf16, hopper_gpu)   # 64-column sampler tiles (64 x 2021)
   assert not proposal.hopper_by_default(128, 129281, bf16, bf16, hopper_gpu)  # no 64-column tiles
   assert not proposal.hopper_by_default(128, 129280, jnp.float32, bf16, hopper_gpu)  # TF32 WGMMA
   assert not proposal.hopper_by_default(128, 129280, bf16, jnp.float32, hopper_gpu)

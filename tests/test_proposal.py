@@ -405,6 +405,8 @@ def test_pdl_is_refused_where_the_chain_does_not_apply():
     run("vanilla", PDL + PERSISTENT)
   with pytest.raises(ValueError, match="choice .* without draws"):
     run("vanilla", CHOICE + TILE_DRAWS)
+  with pytest.raises(ValueError, match="hopper sampling kernel's token choice draws"):
+    run("vanilla", (("hopper", True),) + TILE_DRAWS)
   assert not fused_step.pdl_supported() or jax.default_backend() == "gpu"
 
 
