@@ -338,7 +338,7 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   if choice and (draws or compact or persistent):
     raise ValueError("pallas_options: choice (the token choice draws) is a setting of the "
                      "per-step kernels without draws, with store_logits=True")
-  if hopper and not (greedy_only or choice):
+  if hopper and not (greedy_only or choice or compact):  # compact: refused below
     raise ValueError("pallas_options: the hopper sampling kernel's token choice draws "
                      "(`token_kernels.draw_tokens`): it takes neither draws nor choice=False")
   # Programmatic dependent launch chains the step kernels and their token choices (`fused_step`).

@@ -144,7 +144,7 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats, option_names=("default",
 
 PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-xg": (("w1_in_kernel", False),),              # W1 rows gathered in XLA
-    "pallas-triton": (("hopper", False),),                # greedy-only: never the Hopper kernel
+    "pallas-triton": (("hopper", False),),                # never the Hopper kernels (128 rows)
     "pallas-hopper": (("hopper", True),),                 # the Hopper kernels (B a multiple of 64)
     "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
     "pallas-w8": (("num_warps", 8),),

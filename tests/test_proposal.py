@@ -355,7 +355,7 @@ def test_draw_tokens_is_the_two_level_draw():
   # with the noise `sampling.tile_noise` gives the same rows' keys, at three block positions:
   # integer logits (exact ties inside and across tiles), a row of -inf (token 0), NaNs (the first
   # NaN), +inf (the first +inf), greedy and sampled rows, pairs with padded rows after the batch,
-  # and a tile count (99) that is not a power of two.
+  # or tile-major with rows after the last tile, and a tile count (99) that is not a power of two.
   rng = np.random.default_rng(0)
   batch, gamma, tile, tiles = 6, 3, 16, 99
   vocab = tile * tiles
@@ -384,6 +384,13 @@ def test_draw_tokens_is_the_two_level_draw():
                                    sampling.key_words(key), seeds, positions, step=step,
                                    batch=batch, pdl=pdl, interpret=True)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Tile-major pairs (`hopper_step.sampling_partials`'), with rows past the last tile that
+    # must be ignored (here: large keys).
+    extra = lambda a: jnp.concatenate([a.T, jnp.full((5, batch), 1e9, a.dtype)])
+    got = token_kernels.draw_tokens(*map(extra, pairs), corrected, greedy, temperature,
+                                    sampling.key_words(key), seeds, positions, step=step,
+                                    tile_major=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert int(want[0]) == 0 and int(want[2]) == 9 and int(want[3]) == 20
 
 
