@@ -405,7 +405,7 @@ def _tile_pair(pairs, xs, col0, temp, greedy_rows):
 
 def _visit_tiles(per_program, tile_pair, key_stage, token_stage):
   """Writes `tile_pair(i)` for the instance's tiles i = 0 .. per_program - 1 to row i of the
-  staging buffers, then stores them (`out` rows of the kernel's pairs) once."""
+  shared-memory staging buffers, made visible to the TMA copies that store them (the caller's)."""
   def visit(i, carry):
     key, token = tile_pair(i)
     key_stage.at[i][...] = key
