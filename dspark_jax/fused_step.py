@@ -146,8 +146,7 @@ def row_first_max(values, indices):
 
 def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, corrected_ref, *,
              row0, step, batch, rows, tile, tiles, k_chunk, cache_hints, late_base, draws,
-             with_law=False, w2_first=None, wait_late=False, row_ids=None, early_rows=False,
-             interpret=False):
+             with_law=False, w2_first=None, wait_late=False, row_ids=None, interpret=False):
   """Vocabulary tile `j` for rows ``row0 .. row0 + rows``: writes the corrected logits (sampling
   variant) and returns each row's (key, token) pair for the tile, [rows] float32 and int32.
   The body of this module's kernel and of `fused_block`'s persistent one (inside a Pallas kernel).
@@ -160,10 +159,10 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   wait for the kernels before only once the tile's logits are formed, before reading the noise,
   temperatures and greedy mask (`step_stats(pdl="late")`). `row_ids`: the [rows] row indices,
   ``row0 + iota`` (None), or the same passed through a wait (`early_lanes`): every masked load
-  and store then comes after the wait. `early_rows`: issue the epilogue's row loads (temperatures,
-  greedy mask, noise) before the rank loop, so that their latency hides behind it (they then hold
-  registers through it); not with `wait_late`. The sampling variant has `greedy_ref`; with
-  `noise_ref` None a sampled row's key is the tile's log-mass alone.
+  and store then comes after the wait. The sampling variant has `greedy_ref`; with `noise_ref`
+  None a sampled row's key is the tile's log-mass alone. (Its row inputs load after the rank
+  loop: loaded before it, they held registers through it and were slower on an H200,
+  BENCHMARKS.md, issue 6, version 31.)
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)
@@ -198,9 +197,6 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
       tile_draw = plgpu.load(noise_ref.at[jnp.int32(step), row_slice, j], mask=valid, other=0.0)
     return temperature, load_greedy(greedy_ref, row_slice, valid), inner, tile_draw
 
-  if early_rows and wait_late:
-    raise ValueError("early_rows: the row loads would come before the wait (wait_late)")
-  row_inputs = load_rows(valid, in_batch) if early_rows and greedy_ref is not None else None
   if not late_base:  # early: its latency hides behind the rank loop, but it holds registers there
     base = load_base()
   precision = jax.lax.Precision.HIGHEST if w2_ref.dtype == jnp.float32 else None  # no TF32
@@ -229,7 +225,7 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   if wait_late:  # the noise comes from the kernel before (`token_kernels.block_noise`)
     valid = launch_control("wait", row_ids, interpret) < batch
     in_batch = jnp.broadcast_to(valid[:, None], (rows, tile))
-  temperature, greedy, inner, tile_draw = row_inputs or load_rows(valid, in_batch)
+  temperature, greedy, inner, tile_draw = load_rows(valid, in_batch)
   if draws:  # the token this tile would give if chosen: argmax(x / T + G'), its inner noise G'
     # One first-max serves both kinds of row: a greedy row's argmax and a sampled row's draw.
     best, first = row_first_max(
@@ -376,12 +372,12 @@ class StepStats(NamedTuple):
                                              "num_stages", "k_chunk", "tiles_per_program",
                                              "serpentine", "cache_hints", "late_base",
                                              "store_logits", "pdl", "prefetch", "padded_pairs",
-                                             "early_rows", "interpret"))
+                                             "interpret"))
 def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None, w1=None, step,
                greedy_only, draws=True, rows=None, num_warps=None, num_stages=3, k_chunk=64,
                tiles_per_program=1, serpentine=True, cache_hints=True, late_base=None,
                store_logits=True, pdl=False, prefetch=False, padded_pairs=False,
-               early_rows=False, interpret=False) -> StepStats:
+               interpret=False) -> StepStats:
   """Runs the kernel for block position `step`.
 
   Args:
@@ -431,9 +427,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
       waits (one tile per instance and a rank loop only).
     padded_pairs: keep the padded rows of ``tile_key`` and ``tile_token`` also without `pdl`
       (for a kernel that reads the first B rows in place, such as `token_kernels.draw_tokens`).
-    early_rows: sampling variant: load the rows' temperatures, greedy flags and noise before the
-      rank loop rather than after it (`one_tile`); ignored with ``pdl="late"``, which reads them
-      only after its wait.
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
@@ -481,7 +474,6 @@ def step_stats(v, w2, base_logits, temperature, noise, corrected, *, greedy=None
                         k_chunk=k_chunk, tiles=tiles, tiles_per_program=tiles_per_program,
                         reverse=serpentine and step % 2 == 1, cache_hints=cache_hints,
                         late_base=late_base, pdl=pdl, prefetch=prefetch and bool(k_chunk),
-                        early_rows=early_rows and pdl != "late" and not greedy_only,
                         interpret=interpret, has_noise=noise is not None),
       grid=(blocks, groups),
       in_specs=[pl.no_block_spec] * len(inputs),

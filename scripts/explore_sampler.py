@@ -160,7 +160,6 @@ PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-choice-pdl": (("choice", True), ("pdl", True)),
     "pallas-xladraw": (("draws", False), ("choice", False)),  # XLA draws in the chosen tile
     "pallas-lateb": (("late_base", True),),  # the U_k tile loaded after the rank loop
-    "pallas-early": (("early_rows", True),),  # the epilogue's row loads before the rank loop
 }
 
 def main(argv=None):

@@ -163,7 +163,6 @@ XLA_DRAW = (("draws", False), ("choice", False))  # XLA reduces, then draws in t
 CHOICE = (("choice", True),)  # the token choice draws (`token_kernels.draw_tokens`), from 64 rows
 PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
 PDL = (("pdl", True),)  # kernels chained by programmatic dependent launch (a no-op on the CPU)
-EARLY = (("early_rows", True),)  # the epilogue's row loads before the rank loop
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -250,8 +249,7 @@ def test_pallas_form_over_many_tiles_with_edge_rows():
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
   forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT),
            ("pallas", PDL), ("pallas", PDL + (("prefetch", True), ("k_chunk", 16))),
-           ("pallas", CHOICE), ("pallas", CHOICE + PDL), ("pallas", XLA_DRAW),
-           ("pallas", PDL + EARLY), ("pallas", CHOICE + EARLY))
+           ("pallas", CHOICE), ("pallas", CHOICE + PDL), ("pallas", XLA_DRAW))
   for g in (False, True):
     loop, *others = [proposal.folded_block(
         arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
