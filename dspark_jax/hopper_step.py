@@ -23,9 +23,9 @@ chooses the tile and draws inside it, as for the Triton kernel. Both take the ve
 ``W1[x]`` in XLA: [B, r] is 64 KB at B = 128), B a multiple of 64 (the tensor cores' row block).
 Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so tokens are the other forms', up to
 the order in which ``v @ W2`` is summed; in the benchmark runs tokens and corrected logits
-equalled the Triton kernels' everywhere. On the GPU the kernels' exp, log and division are the
-approximate instructions (``ex2.approx``, ``lg2.approx``, ``div.full``), so a log-mass can differ
-from XLA's in the last bits (a relative 1e-6 at most in the tests).
+equalled the Triton kernels' everywhere. On the GPU the kernels' exp and division are the
+approximate instructions (``ex2.approx``, ``div.full``: the kernel's PTX), so a log-mass can differ
+from XLA's in the last bits (within 1e-5 in the tests).
 
 On an H200 (BENCHMARKS.md, issue 6) both are the defaults from `proposal.HOPPER_FROM_BATCH` rows
 on a Hopper GPU (`proposal.hopper_by_default`); ``pallas_options=(("hopper", False),)`` keeps the

@@ -245,8 +245,8 @@ def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
   keys, tokens = one[0][:10].T, one[1][:10].T  # [B, tiles]
   assert one[0].shape == (12, batch) and np.array_equal(one[0][10:], np.stack([one[0][9]] * 2))
   np.testing.assert_array_equal(np.where(greedy_rows, keys, 0), np.where(greedy_rows, want_max, 0))
-  # Log-masses to float32 rounding: on a GPU the kernel's exp, log and division are the
-  # approximate instructions (ex2/lg2.approx, div.full), NumPy's differ in the last bits.
+  # Log-masses to float32 rounding: on a GPU the kernel's exp and division are the approximate
+  # instructions (ex2.approx, div.full), NumPy's differ in the last bits.
   np.testing.assert_allclose(keys[~greedy_rows[:, 0]], want_mass[~greedy_rows[:, 0]], rtol=1e-6,
                              atol=1e-5)
   first = np.where(np.isnan(tiles).any(axis=2), np.argmax(np.isnan(tiles), axis=2),
