@@ -6,9 +6,10 @@ blocks, W2 from L2, and its loads are plain per-thread loads. These kernels are 
 
 * a fixed grid of `programs` instances (one per multiprocessor), each keeping all B rows of ``v``
   [B, r] in shared memory for the whole step (loaded once, by the tensor memory accelerator, TMA);
-* each instance walks the vocabulary tiles p, p + P, ... in increasing order, with `stages` TMA
-  copies of the next tiles' W2 block [r, tile] and base logits [B, tile] in flight while it works
-  on the current one;
+* each instance walks the vocabulary tiles p, p + P, ... in increasing order (odd steps of a
+  block the same walk from the last tile down: they start on the tiles the step before left in
+  L2), with `stages` TMA copies of the next tiles' W2 block [r, tile] and base logits [B, tile]
+  in flight while it works on the current one;
 * per tile: ``v @ W2`` on the tensor cores (WGMMA, float32 accumulator), ``+ U_k``, rounded to the
   logits dtype, then each row's (key, token) pair for the tile.
 
@@ -19,21 +20,24 @@ XLA reduces the P pairs (`tokens`). `sampling_partials` is the sampling variant'
 written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
 `new_corrected`), and every tile's pair (a sampled row's the tile's log-mass, as `fused_step`
 without draws) stored tile-major, so that `token_kernels.draw_tokens` adds the tiles' noise,
-chooses the tile and draws inside it, as for the Triton kernel. Both take the vectors (gather
-``W1[x]`` in XLA: [B, r] is 64 KB at B = 128), B a multiple of 64 (the tensor cores' row block).
-Maxima use `fused_step`'s integer keys (NaN first, -0 = +0), so tokens are the other forms', up to
-the order in which ``v @ W2`` is summed; in the benchmark runs tokens and corrected logits
-equalled the Triton kernels' everywhere. On the GPU the kernels' exp and division are the
-approximate instructions (``ex2.approx``, ``div.full``: the kernel's PTX), so a log-mass can differ
-from XLA's in the last bits (within 1e-5 in the tests).
+chooses the tile and draws inside it, as for the Triton kernel. Both take the vectors [B, r]
+(64 KB at B = 128): ``W1[x]`` gathered in XLA, or for a vanilla head's sampling steps written by
+the token choice before (`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor
+cores' row block).
+Maxima are float maxima that a NaN wins (``max.NaN.f32``), compared across tiles as `fused_step`'s
+integer keys (NaN first, -0 = +0), so tokens are the other forms', up to the order in which
+``v @ W2`` is summed; in the benchmark runs tokens and corrected logits equalled the Triton
+kernels' everywhere. A tile's log-mass is summed in base 2 (`_tile_log_mass`) with the GPU's
+approximate ``ex2``, so it can differ from XLA's in the last bits (within 1e-5 in the tests).
 
-On an H200 (BENCHMARKS.md, issue 6) both are the defaults from `proposal.HOPPER_FROM_BATCH` rows
-on a Hopper GPU (`proposal.hopper_by_default`); ``pallas_options=(("hopper", False),)`` keeps the
-Triton kernel. Greedy-only (version 19): 297-300 µs instead of the Triton kernel's 336 µs at
-B = 128 (V = 129280), 311-321 instead of 366 µs (V = 151936); at B = 64 no faster. Sampling
-(version 32): at B = 128, 382.6-385.6 µs against the Triton path's 428.8-429.2 µs (V = 129280)
-and 423.8-429.0 against 499.1-506.1 µs (V = 151936); at B = 64, 5-9 % slower, so it stays
-opt-in there. The sampling kernel's road: whole 128-column tiles per stage were no faster than
+On an H200 (BENCHMARKS.md, issue 6) both are the defaults on a Hopper GPU where
+`proposal.hopper_by_default` says so (greedy-only from 128 rows, sampling from 64);
+``pallas_options=(("hopper", False),)`` keeps the Triton kernel. Greedy-only (version 19): 297-300
+µs instead of the Triton kernel's 336 µs at B = 128 (V = 129280), 311-321 instead of 366 µs
+(V = 151936), at B = 64 no faster; after session 11's changes 258.5 and 275.9 µs at B = 128.
+Sampling, session 11's defaults (versions 33-35): 354.8 µs against the Triton path's 425.7 at
+B = 128 and 258.8 against 274.5 at B = 64 (V = 129280); 398.9 against 500.9 and 301.2 against
+317.9 (V = 151936). The sampling kernel's road: whole 128-column tiles per stage were no faster than
 Triton at B = 64, one tile's copies in flight (version 20); 64-column parts, written back over
 their U_k part, fit three stages at 128 rows and four at 64 (`sampling_stages`, version 21), but
 one warpgroup's epilogue (round, integer keys, two row reductions, a divide and an exp per
@@ -43,9 +47,11 @@ warpgroup, the kernel's code was so large that the warps spent half their stalle
 for instructions (Nsight Compute: 81 µs per step at B = 128); one copy for both, the consumer's
 index a traced value, took 53 µs, against 56-58 µs for the Triton kernel, and keeping the first
 part's logits in registers for the exp sum (``reread=False``, now the default) 3 µs less
-(version 32). Tests run
-both kernels in Mosaic GPU's CPU interpreter, where they equal the loop form bit for bit (the
-two-warpgroup form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the
+(version 32). Then fewer instructions per element (version 33: the float first-max and the log-mass
+in base 2; 42 µs per step under Nsight Compute, 188 registers), odd steps walking backwards (34)
+and, with a vanilla head, the token choice writing the next step's ``W1[x]`` (35). Tests run
+both kernels in Mosaic GPU's CPU interpreter, where their tokens and logits equal the loop form's
+bit for bit (the two-warpgroup form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the
 greedy kernel.
 """
 
@@ -65,6 +71,7 @@ from dspark_jax import sampling
 
 ROW_BLOCK = 64  # rows of one WGMMA instruction
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
+_LOG2_E = float(np.log2(np.e))  # exp(y) = 2^(y · log2(e))
 
 
 def _interpret_params():
@@ -120,23 +127,40 @@ def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
 
 def _first_max(x, col0, interpret):
   """Per row of float32 [B, tile] registers: (max integer key, first column at it, from `col0`);
-  NaN first and -0 = +0, as in `fused_step`."""
-  keys = fused_step.order_keys(x)
-  best = jnp.max(keys, axis=1)
+  NaN first and -0 = +0, as in `fused_step`.
+
+  The max is a float max that a NaN wins (Mosaic GPU's is ``max.NaN.f32``), one instruction per
+  element where `fused_step.order_keys` costs seven; only the rows' maxima become keys. Equal to
+  a max is ``x == max`` (-0 and +0 alike) or, when the max is NaN, ``x`` NaN.
+  """
+  best = jnp.max(x, axis=1)
+  if interpret:  # the interpreter's max is XLA's on the CPU, which skips NaN: the GPU's does not
+    best = jnp.where(jnp.any(jnp.isnan(x), axis=1), jnp.nan, best)
   lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
            plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
-  at_best = keys == lax.broadcast_in_dim(best, x.shape, (0,))
-  return best, jnp.min(jnp.where(at_best, lanes + col0, _NO_TOKEN), axis=1)
+  at_best = (x == lax.broadcast_in_dim(best, x.shape, (0,))) | jnp.isnan(x)
+  # Some column is at the max (a NaN max: a NaN column), so the min is a lane: col0 added per row.
+  return fused_step.order_keys(best), jnp.min(jnp.where(at_best, lanes, _NO_TOKEN), axis=1) + col0
 
 
-def _best_over_tiles(per_program, tile_pair):
+def _tile_walk(program, programs, tiles, reverse):
+  """Instance `program`'s i-th tile: p + i·P, in increasing order, or with `reverse` the same
+  walk from the last tile down (V/c - 1 - p - i·P). Past the end it visits the last tile of its
+  walk again (a pair another instance also holds; it keeps every loop static)."""
+  if reverse:
+    return lambda i: jnp.maximum(tiles - 1 - program - i * programs, 0)
+  return lambda i: jnp.minimum(program + i * programs, tiles - 1)
+
+
+def _best_over_tiles(per_program, tile_pair, reverse=False):
   """Each row's best (integer key, token) over the instance's tiles 0 .. per_program - 1, given
   `tile_pair(i)`: tiles come in column order, so a later tile wins only with a larger key and
-  ties keep the earlier (smaller) token."""
+  ties keep the earlier (smaller) token; with `reverse` they come in decreasing column order, and
+  a later tile wins ties too."""
   def visit(i, carry):
     best, token = carry
     tile_key, tile_token = tile_pair(i)
-    later_wins = tile_key > best
+    later_wins = (tile_key >= best) if reverse else (tile_key > best)
     return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_token, token)
   return lax.fori_loop(1, per_program, visit, tile_pair(0))
 
@@ -151,15 +175,17 @@ def _store_pairs(best, token, key_smem, token_smem, key_gmem, token_gmem, progra
   plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "interpret"))
-def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=2,
+@functools.partial(jax.jit, static_argnames=("step", "tile", "programs", "stages", "reverse",
+                                             "interpret"))
+def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=2, reverse=False,
                     interpret=False):
   """Per instance and row: the max and first argmax of step `step`'s corrected logits over the
   instance's vocabulary tiles.
 
   Instance p of the `programs` visits tiles p, p + P, ... (`tile` columns each) in increasing
-  order and keeps, per row, the best (integer key, column) pair it has seen: a later tile replaces
-  it only with a strictly larger key, so the column is the first of equal maxima. One pair per
+  order (or, with `reverse`, the same walk from the last tile down: `_tile_walk`) and keeps, per
+  row, the best (integer key, column) pair it has seen, the column the first of equal maxima
+  (`_best_over_tiles`). One pair per
   instance and row leaves the kernel, [P, B], which XLA reduces in ~2 µs (per-tile pairs, [V/64, B],
   took 15 µs to reduce on an H200).
 
@@ -170,6 +196,8 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
     programs: static grid size (None: the device's multiprocessor count; 4 when interpreting).
     stages: static tiles whose TMA copies are in flight at once (shared memory per instance:
       B·r + stages·(r + B)·tile elements).
+    reverse: static, walk the tiles from the last one down (odd steps of a serpentine block,
+      whose first tiles are the ones the step before left in L2).
     interpret: run in Mosaic GPU's interpreter (CPU).
 
   Returns:
@@ -183,9 +211,7 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
   def kernel(v_gmem, w2_gmem, base_gmem, max_gmem, arg_gmem,
              v_smem, w2_smem, u_smem, max_smem, arg_smem, v_barrier, in_barriers):
     program = lax.axis_index("program")
-    # Past the last tile an instance visits the last tile again (a pair another instance also
-    # holds; it keeps every loop static).
-    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)
+    tile_of = _tile_walk(program, programs, tiles, reverse)
 
     def fetch(i):
       slot, cols = lax.rem(i, stages), pl.ds(tile_of(i) * tile, tile)
@@ -206,7 +232,7 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
     for i in range(min(stages - 1, per_program)):
       fetch(i)
     plgpu.barrier_wait(v_barrier.at[0])
-    best, first = _best_over_tiles(per_program, tile_best)
+    best, first = _best_over_tiles(per_program, tile_best, reverse)
     _store_pairs(best, first, max_smem, arg_smem, max_gmem, arg_gmem, program)
 
   itemsize = jnp.dtype(w2.dtype).itemsize
@@ -257,7 +283,7 @@ def sampling_stages(batch: int, rank: int, tiles_per_instance: int = 8, itemsize
 
 
 def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, step, programs=None,
-                      stages=None, consumers=None, reread=False, interpret=False):
+                      stages=None, consumers=None, reread=False, reverse=False, interpret=False):
   """One sampling-variant step: writes step `step`'s corrected logits into `corrected` and returns
   each vocabulary tile's (key, token) pair per row, as `fused_step.step_stats` without draws.
 
@@ -295,10 +321,13 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
     reread: static, two consumers: the tile's exp sum reads the parts' rounded logits back from
       shared memory (else, the default, the first part's stay in registers while the second is
       computed: faster on an H200, 51.9 against 54.8 µs per step at B = 128).
+    reverse: static, walk the tiles from the last one down (`greedy_partials`); the pairs' rows
+      then come in that order too.
 
   Returns:
     ``(tile_key [T, B] float32, tile_token [T, B] int32)``, tile-major, T = P · (tiles per
-    instance) >= V / c: row t < V / c is tile t; the rows after it repeat the last tile.
+    instance) >= V / c: row t < V / c is tile t (with `reverse`, tile V/c - 1 - t); the rows
+    after it repeat the last tile (with `reverse`, tile 0).
   """
   rows, rank = v.shape
   vocab = base_logits.shape[2]
@@ -325,7 +354,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
     raise ValueError(f"stages: two consumers need >= {max(parts, 2)} for {tile}-column tiles, "
                      f"got {stages}")
   geometry = dict(rows=rows, tile=tile, parts=parts, tiles=tiles, programs=programs,
-                  per_program=per_program, stages=stages, step=step, interpret=interpret,
+                  per_program=per_program, stages=stages, step=step, reverse=reverse,
+                  interpret=interpret,
                   row_layout=None if interpret else plgpu.Layout.WGMMA.reduce(1))
   if consumers == 1:
     kernel, barriers = _one_consumer(**geometry)
@@ -375,13 +405,17 @@ def _load_rows(ref, row_layout, interpret):
 
 
 def _tile_log_mass(xs, tile_max, temp):
-  """`sampling.tile_log_mass` of a tile from its parts' float32 logits `xs` and its max, the sum
-  taken part by part."""
-  shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0) / temp  # isfinite
-  mass = sum(jnp.sum(jnp.exp(x / lax.broadcast_in_dim(temp, x.shape, (0,))
-                             - lax.broadcast_in_dim(shift, x.shape, (0,))), axis=1)
+  """`sampling.tile_log_mass` of a tile from its parts' float32 logits `xs` and its max m, the sum
+  taken part by part and in base 2: ``exp((x - m) / T) = 2^((x - m) · log2(e) / T)``, a subtraction,
+  a multiply by a per-row constant and ``ex2`` per element, where the division and ``exp`` cost
+  several instructions more (the max's own term is still exactly 1; BENCHMARKS.md, issue 6,
+  version 33)."""
+  shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0)  # isfinite
+  scale = _LOG2_E / temp
+  mass = sum(jnp.sum(jnp.exp2((x - lax.broadcast_in_dim(shift, x.shape, (0,)))
+                              * lax.broadcast_in_dim(scale, x.shape, (0,))), axis=1)
              for x in xs)
-  return shift + jnp.log(mass)
+  return shift / temp + jnp.log(mass)
 
 
 def _first_of_parts(pairs):
@@ -415,14 +449,14 @@ def _visit_tiles(per_program, tile_pair, key_stage, token_stage):
   plgpu.commit_smem()
 
 
-def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, step, interpret,
-                  row_layout):
+def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
+                  interpret, row_layout):
   """`sampling_partials`' kernel for one warpgroup, and its barriers."""
   def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, key_gmem,
              token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, key_stage, token_stage,
              v_barrier, in_barriers):
     program = lax.axis_index("program")
-    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)  # as in greedy_partials
+    tile_of = _tile_walk(program, programs, tiles, reverse)
     columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
 
     def fetch(n):  # part n of the instance's parts, into slot n % stages
@@ -471,8 +505,8 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
   return kernel, [plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
 
 
-def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, step, interpret,
-                   row_layout, reread):
+def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
+                   interpret, row_layout, reread):
   """`sampling_partials`' kernel for two warpgroups splitting the rows, and its barriers.
 
   Both warpgroups run one copy of the code, with their index ``c`` a traced value: each has its
@@ -490,7 +524,7 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
     program = lax.axis_index("program")
     c = lax.axis_index("consumer")
     mine = pl.ds(c * share, share)  # the consumer's rows of the global arrays
-    tile_of = lambda i: jnp.minimum(program + i * programs, tiles - 1)  # as in greedy_partials
+    tile_of = _tile_walk(program, programs, tiles, reverse)
     columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
 
     def fetch_w2(n):  # part n's W2 columns, into slot n % stages

@@ -57,11 +57,19 @@ chosen tile, in the token choice (`token_kernels.draw_tokens`): the per-tile dra
 more than the draw after the choice costs at 64 rows and up, and less below (H200, BENCHMARKS.md,
 issue 6, versions 9 and 27)."""
 HOPPER_FROM_BATCH = 128
-"""Blocks of this many rows and more run `hopper_step` by default on a Hopper GPU: greedy-only ones
-in multiples of 64, 9-16 % faster than the Triton step kernel at 128 rows on an H200 and 1-10 %
-slower at 64 (BENCHMARKS.md, issue 6, version 19); sampling ones in multiples of 128 whose rows
-fit the kernel's shared memory (128 at r = 256), 10-15 % faster at 128 rows and 5-9 % slower at 64
-(version 32)."""
+"""Greedy-only blocks of this many rows and more run `hopper_step` by default on a Hopper GPU (in
+multiples of 64): 9-16 % faster than the Triton step kernel at 128 rows on an H200 and 1-10 %
+slower at 64 (BENCHMARKS.md, issue 6, version 19)."""
+HOPPER_SAMPLING_FROM_BATCH = 64
+"""Sampling blocks of this many rows and more run `hopper_step` by default on a Hopper GPU: 64 rows
+(one warpgroup) or multiples of 128 (two) whose rows fit the kernel's shared memory (up to 128 at
+r = 256); on an H200 17-20 % less time than the Triton path at 128 rows and 5-9 % at 64
+(BENCHMARKS.md, issue 6, versions 32-35)."""
+HOPPER_SERPENTINE = True
+"""Whether the Hopper kernels walk the tiles of odd steps from the last one down by default
+(``pallas_options`` ``("serpentine", ...)``), so that a step starts on the W2 tiles the step before
+left in L2: 2 % faster for sampling and 1 % for greedy-only at 128 rows on an H200 (BENCHMARKS.md,
+issue 6, version 34)."""
 
 
 def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
@@ -69,20 +77,22 @@ def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
                       rank: int | None = None) -> bool:
   """Whether a Pallas block takes `hopper_step` when `pallas_options` does not say.
 
-  Yes on a GPU of compute capability 9 (Hopper: the kernels use TMA and WGMMA), from
-  `HOPPER_FROM_BATCH` rows, with bfloat16 W2 and base logits (the measured case; a float32 W2
-  would run on the tensor cores at TF32 precision): greedy-only blocks in multiples of 64 rows
-  with V a multiple of 64; sampling blocks (`rank` given) in multiples of 128 rows (two
-  warpgroups) with 128-column sampler tiles and shared memory for two pipeline stages
-  (`hopper_step.sampling_stages`).
+  Yes on a GPU of compute capability 9 (Hopper: the kernels use TMA and WGMMA) with bfloat16 W2 and
+  base logits (the measured case; a float32 W2 would run on the tensor cores at TF32 precision):
+  greedy-only blocks from `HOPPER_FROM_BATCH` rows in multiples of 64 with V a multiple of 64;
+  sampling blocks (`rank` given) from `HOPPER_SAMPLING_FROM_BATCH` rows, 64 of them or a multiple
+  of 128 (one or two warpgroups), with 128-column sampler tiles and shared memory for two
+  pipeline stages (`hopper_step.sampling_stages`).
   """
   device = device or jax.devices()[0]
   hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-  common = (hopper and batch >= HOPPER_FROM_BATCH and jnp.dtype(w2_dtype) == jnp.bfloat16
+  common = (hopper and jnp.dtype(w2_dtype) == jnp.bfloat16
             and jnp.dtype(logits_dtype) == jnp.bfloat16)
   if greedy_only:
-    return common and batch % hopper_step.ROW_BLOCK == 0 and vocab % 64 == 0
-  if not (common and rank and batch % (2 * hopper_step.ROW_BLOCK) == 0
+    return (common and batch >= HOPPER_FROM_BATCH and batch % hopper_step.ROW_BLOCK == 0
+            and vocab % 64 == 0)
+  warpgroups = batch == hopper_step.ROW_BLOCK or batch % (2 * hopper_step.ROW_BLOCK) == 0
+  if not (common and rank and batch >= HOPPER_SAMPLING_FROM_BATCH and warpgroups
           and sampling.vocab_tile(vocab) == 2 * hopper_step.PART):
     return False
   tiles_per_instance = -(-(vocab // sampling.vocab_tile(vocab)) // getattr(device, "core_count",
@@ -287,10 +297,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
   corrected logits written in place into a `hopper_step.new_corrected` buffer, the tiles' pairs
   tile-major, then `token_kernels.draw_tokens` chooses and draws; at r = 256 up to 128 rows;
-  ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups). Blocks take it by
-  default where `hopper_by_default` says so (from 128 rows: greedy-only in multiples of 64,
-  sampling in multiples of 128 that fit its shared memory) and no kernel settings are given;
-  ``("hopper", False)`` keeps the Triton kernel.
+  ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups; with a vanilla head the
+  token choice also writes the next step's ``W1[x]``, unless ``("vectors", False)``);
+  ``("serpentine", ...)`` (both; default `HOPPER_SERPENTINE`) walks odd steps' tiles from the last
+  one down. Blocks take it by default where `hopper_by_default` says so (greedy-only from 128 rows
+  in multiples of 64; sampling at 64 rows and in multiples of 128 that fit its shared memory) and
+  no kernel settings are given; ``("hopper", False)`` keeps the Triton kernel.
 
   Without per-tile draws (from `TILE_DRAWS_BELOW_BATCH` rows), the token choice draws:
   `token_kernels.draw_tokens` derives each row's key, adds the tiles' Gumbel draws to their
@@ -350,8 +362,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
     raise ValueError("pallas_options: pdl is a setting of the per-step Triton kernel: it needs W1 "
                      "gathered in the kernel (a vanilla head without a confidence head) and the "
                      "token chosen from the tiles alone (greedy-only, or per-tile draws)")
-  hopper_settings = ({"tile", "stages", "programs"} if greedy_only
-                     else {"stages", "programs", "consumers", "reread"})
+  hopper_settings = ({"tile", "stages", "programs", "serpentine"} if greedy_only
+                     else {"stages", "programs", "consumers", "reread", "serpentine", "vectors"})
   if compact and (hopper or persistent):
     raise ValueError(f"pallas_options: {'hopper' if hopper else 'persistent'} does not take "
                      "store_logits=False (the per-step Triton kernel does)")
@@ -391,23 +403,37 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       confidence = jnp.stack([heads_lib.confidence_step(conf_params, hidden[:, k], e[:, k], k)
                               for k in range(gamma)], axis=1)
     return tokens, corrected, None if conf_params is None else confidence
+  hopper_serpentine = hopper and options.pop("serpentine", HOPPER_SERPENTINE)
+  # A vanilla head's next vector W1[x] comes from the sampling step's token choice (no XLA gather;
+  # the token kernel's rank must be a power of two).
+  rank = head_params["w1"].shape[1]
+  hopper_vectors = (hopper and not greedy_only and options.pop("vectors", True)
+                    and kind == "vanilla" and rank & (rank - 1) == 0)
   if hopper and not greedy_only:  # the corrected logits written in place
     corrected_ref = hopper_step.new_corrected(base_logits.shape, base_logits.dtype)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
-    if hopper:  # v in XLA (any head), then the Mosaic GPU kernel and one reduction
-      v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+    if hopper:  # v (in XLA, or from the token choice before), the Mosaic GPU kernel, the choice
+      if hopper_vectors and k:  # a vanilla head's v_k = W1[x_{k-1}], written by the choice before
+        v, e = next_vectors, next_vectors.astype(jnp.float32)  # (e only for a confidence head)
+      else:
+        v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+      # Serpentine: odd steps walk the tiles from the last one down (`hopper_step._tile_walk`).
+      reverse = hopper_serpentine and k % 2 == 1
       if greedy_only:
         prev = hopper_step.tokens(*hopper_step.greedy_partials(
-            v, head_params["w2"], base_logits, step=k, interpret=interpret, **options))
+            v, head_params["w2"], base_logits, step=k, reverse=reverse, interpret=interpret,
+            **options))
       else:  # the tiles' pairs, tile-major; the token choice draws
         tile_key, tile_token = hopper_step.sampling_partials(
             v, head_params["w2"], base_logits, corrected_ref, temperature, greedy_rows,
-            step=k, interpret=interpret, **options)
-        prev, block = token_kernels.draw_tokens(
+            step=k, reverse=reverse, interpret=interpret, **options)
+        w1 = head_params["w1"] if hopper_vectors and k + 1 < gamma else None
+        prev, block, *next_vectors = token_kernels.draw_tokens(
             tile_key, tile_token, corrected_ref[...], greedy_rows, temperature, key_words, seeds,
-            positions, block, step=k, batch=batch, gamma=gamma, tile_major=True,
-            interpret=interpret)
+            positions, block, w1, step=k, batch=batch, gamma=gamma, tile_major=True,
+            reversed_tiles=reverse, interpret=interpret)
+        next_vectors = next_vectors[0] if next_vectors else None
       tokens.append(prev)
       if conf_params is not None:
         confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
@@ -495,7 +521,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   ``w1_in_kernel`` (default True: a vanilla head's ``W1`` rows are gathered inside the kernel,
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
-  default where `hopper_by_default` says so, i.e. from 128 rows on a Hopper GPU, else off).
+  default where `hopper_by_default` says so, i.e. on a Hopper GPU from 128 rows, or 64 for
+  sampling, else off).
   `store_logits` (static, sampling variant): False returns a `CompactLogits` instead of the
   corrected logits, without its inputs attached (`CompactLogits.with_inputs`).
 

@@ -211,7 +211,9 @@ def tile_log_mass(x: jax.Array, tile_max: jax.Array, temperature: jax.Array) -> 
   """Per tile ``logsumexp(x / T)`` from float32 `x` [..., c] and its max [...] (the last axis goes).
 
   The max is taken out before the exp; a tile of only ``-inf`` gives ``-inf``, a NaN gives NaN and a
-  ``+inf`` gives ``+inf``. `fused_step`'s kernel evaluates this same expression.
+  ``+inf`` gives ``+inf``. `fused_step`'s kernel evaluates this same expression; `hopper_step`'s
+  the same sum in base 2 (``2^((x - m) · log2(e) / T)``, fewer instructions there; slower in the
+  Triton kernel: BENCHMARKS.md, issue 6, version 33).
   """
   shift = jnp.where(jnp.isfinite(tile_max), tile_max, 0.0) / temperature
   mass = jnp.sum(jnp.exp(x / temperature[..., None] - shift[..., None]), axis=-1)

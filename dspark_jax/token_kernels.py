@@ -9,7 +9,8 @@ kernels cannot (they neither let the next kernel launch early nor wait for the o
 * `draw_tokens`: the token choice that draws: it derives the row's key, adds each tile's Gumbel
   draw to the tiles' log-masses, chooses the tile and draws inside it from the stored corrected
   logits (`sampling.tokens_from_tile_stats`), the noise first, so that it overlaps the step kernel
-  before; the default from `proposal.TILE_DRAWS_BELOW_BATCH` rows;
+  before; the default from `proposal.TILE_DRAWS_BELOW_BATCH` rows; after the Hopper sampling
+  kernel it also writes a vanilla head's next vector ``W1[x]`` (no XLA gather between the steps);
 * `block_noise`: every step's `sampling.tile_noise` for steps whose tiles draw, as the chain's
   first kernel (the first step kernel waits for it only before its epilogue, ``pdl="late"``).
 
@@ -51,10 +52,12 @@ def _choice_kernel(key_ref, token_ref, *refs, tiles, width, step, pdl, interpret
   _write_token(refs, row, step, first, blocks)
 
 
-def _call_with_tokens(kernel, inputs, batch, block, gamma, interpret):
+def _call_with_tokens(kernel, inputs, batch, block, gamma, interpret, vectors=None):
   """The per-row token kernel over `inputs`: [B] tokens and, with `gamma`, the block's [B, γ]
-  tokens too, written in place into `block` when it is given."""
-  shapes = [jax.ShapeDtypeStruct((batch,), jnp.int32)]
+  tokens too, written in place into `block` when it is given; with `vectors` (a shape and dtype)
+  a first output, the [B, r] rows the kernel writes (`draw_tokens`' ``w1``), returned last."""
+  shapes = [] if vectors is None else [vectors]
+  shapes.append(jax.ShapeDtypeStruct((batch,), jnp.int32))
   if gamma is not None:
     shapes.append(jax.ShapeDtypeStruct((batch, gamma), jnp.int32))
   extra = [block] if gamma is not None and block is not None else []
@@ -64,11 +67,14 @@ def _call_with_tokens(kernel, inputs, batch, block, gamma, interpret):
       in_specs=[pl.no_block_spec] * (len(inputs) + len(extra)),
       out_specs=[pl.no_block_spec] * len(shapes),
       out_shape=shapes,
-      input_output_aliases={len(inputs): 1} if extra else {},
+      input_output_aliases={len(inputs): len(shapes) - 1} if extra else {},
       compiler_params=fused_step.compiler_params(4, None),
       interpret=interpret,
   )(*inputs, *extra)
-  return outs[0] if gamma is None else tuple(outs)
+  outs = list(outs)
+  if vectors is not None:
+    outs.append(outs.pop(0))
+  return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "pdl", "step", "gamma", "interpret"))
@@ -109,7 +115,8 @@ def _pair_gumbels(k0, k1, domain, pairs):
 
 
 def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_ref, seed_ref,
-                 position_ref, *refs, tiles, half, tile, step, pdl, tile_major, interpret, blocks):
+                 position_ref, *refs, tiles, half, tile, step, pdl, tile_major, reversed_tiles,
+                 vectors, interpret, blocks):
   row = pl.program_id(0)
   one = pl.ds(row, 1)
   pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
@@ -128,7 +135,11 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
     gate = jnp.where(tile_even[0] == jnp.inf, 1, 0)
     pairs = fused_step.launch_control("wait", pairs + gate, interpret)
   lanes = [2 * pairs, 2 * pairs + 1]
-  at = (lambda t: (t, row)) if tile_major else (lambda t: (row, t))
+  if tile_major:  # tile t's pair is row t, or row V/c - 1 - t when the tiles came reversed
+    at = ((lambda t: (jnp.maximum(tiles - 1 - t, 0), row)) if reversed_tiles
+          else (lambda t: (t, row)))
+  else:
+    at = lambda t: (row, t)
   keys = [plgpu.load(key_ref.at[at(t)], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
   tokens = [plgpu.load(token_ref.at[at(t)], mask=t < tiles, other=fused_step.BIG_INDEX)[None, :]
             for t in lanes]
@@ -142,14 +153,20 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
                        other=0.0).astype(jnp.float32) for c in within]
   scores = [x / temperature[:, None] + g for x, g in zip(logits, (column_even, column_odd))]
   _, column = _first_max_of_halves(scores[0], within[0], scores[1], within[1])
-  _write_token(refs, row, step, jnp.where(greedy, token, token + column), blocks)
+  token = jnp.where(greedy, token, token + column)
+  _write_token(refs, row, step, token, blocks)
+  if vectors:  # the next step's Markov vector W1[token] (a vanilla head): refs[0] is W1
+    w1_ref, rank = refs[0], refs[0].shape[1]
+    ranks = jax.lax.broadcasted_iota(jnp.int32, (1, rank), 1)
+    refs[-3 if blocks else -2][pl.ds(row, 1), pl.ds(0, rank)] = plgpu.load(
+        w1_ref.at[jnp.broadcast_to(token[:, None], (1, rank)), ranks])
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "tile_major",
-                                             "interpret"))
+                                             "reversed_tiles", "interpret"))
 def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words, seeds, positions,
-                block=None, *, step, batch=None, pdl=False, gamma=None, tile_major=False,
-                interpret=False):
+                block=None, w1=None, *, step, batch=None, pdl=False, gamma=None, tile_major=False,
+                reversed_tiles=False, interpret=False):
   """The token choice of a sampling step that draws: `choose_tokens` plus the two-level sampler's
   noise and in-tile draw (`sampling`), one kernel instance per row.
 
@@ -174,9 +191,15 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
     block, gamma: as in `choose_tokens` (the block's [B, γ] tokens, written in place).
     tile_major: the pairs are [T, rows] with T >= V/c, row t < V/c tile t (rows after it
       ignored): `hopper_step.sampling_partials`' pairs.
+    reversed_tiles: with `tile_major`, row t < V/c is tile V/c - 1 - t (``sampling_partials(...,
+      reverse=True)``).
+    w1: [V, r] a vanilla head's first matrix, r a power of two: each row's next Markov vector
+      ``W1[token]`` is written too, so that the next step kernel (`hopper_step.sampling_partials`)
+      reads it without an XLA gather between the two.
 
   Returns:
-    [B] int32 tokens; with `gamma`, ``(tokens, block)``.
+    [B] int32 tokens; with `gamma`, ``(tokens, block)``; with `w1`, the [B, r] vectors in W1's
+    dtype after them.
   """
   if tile_major:
     rows, tile = tile_key.shape[1], sampling.vocab_tile(corrected.shape[2])
@@ -187,11 +210,19 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
   batch = rows if batch is None else batch
   half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
   kernel = functools.partial(_draw_kernel, tiles=tiles, half=half, tile=tile, step=step, pdl=pdl,
-                             tile_major=tile_major, interpret=interpret)
+                             tile_major=tile_major, reversed_tiles=reversed_tiles,
+                             vectors=w1 is not None, interpret=interpret)
   inputs = [tile_key, tile_token, corrected, fused_step.greedy_mask(greedy),
             temperature.astype(jnp.float32), key_words.astype(jnp.uint32),
             seeds.astype(jnp.uint32), positions.astype(jnp.int32)]
-  return _call_with_tokens(kernel, inputs, batch, block, gamma, interpret)
+  vectors = None
+  if w1 is not None:
+    rank = w1.shape[1]
+    if rank & (rank - 1):
+      raise ValueError(f"w1: the kernel's rank must be a power of two, got {w1.shape}")
+    inputs.append(w1)
+    vectors = jax.ShapeDtypeStruct((batch, rank), w1.dtype)
+  return _call_with_tokens(kernel, inputs, batch, block, gamma, interpret, vectors)
 
 
 def _noise_kernel(words_ref, seed_ref, position_ref, noise_ref, *, tiles, tile, half, pdl,

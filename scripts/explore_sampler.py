@@ -144,8 +144,10 @@ def parts(vocabs, batches, gamma, rank, dtype, repeats, option_names=("default",
 
 PALLAS_VARIANTS = {  # the Pallas form under other `pallas_options`, by name
     "pallas-xg": (("w1_in_kernel", False),),              # W1 rows gathered in XLA
-    "pallas-triton": (("hopper", False),),                # never the Hopper kernels (128 rows)
+    "pallas-triton": (("hopper", False),),                # never the Hopper kernels
     "pallas-hopper": (("hopper", True),),                 # the Hopper kernels (B a multiple of 64)
+    "pallas-hopper-fwd": (("hopper", True), ("serpentine", False)),  # every step walks forward
+    "pallas-hopper-xv": (("hopper", True), ("vectors", False)),  # sampling: W1[x] gathered in XLA
     "pallas-r128": (("rows", 128), ("num_warps", 8)),      # one row block up to 128 rows
     "pallas-w8": (("num_warps", 8),),
     "pallas-r32": (("rows", 32),),                        # more, smaller row blocks: occupancy

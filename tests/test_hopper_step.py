@@ -23,26 +23,29 @@ def _inputs(batch, rank, vocab, gamma=2, seed=0):
   return v, w2, base
 
 
-@pytest.mark.parametrize("batch,stages", [(64, 1), (64, 2), (128, 3)])
-def test_partials_are_the_rounded_logits_max_and_first_argmax_per_instance(batch, stages):
+@pytest.mark.parametrize("batch,stages,reverse", [(64, 1, False), (64, 2, False), (128, 3, False),
+                                                 (64, 2, True)])
+def test_partials_are_the_rounded_logits_max_and_first_argmax_per_instance(batch, stages, reverse):
   # V = 640 = ten 64-column tiles over 4 instances: instance p visits tiles p, p + 4, p + 8, the
-  # last tile (9) standing in for those past it. Rows 0-1 tie exactly across two tiles of one instance and within
-  # one tile: the first column must win. Exact in the interpreter (CPU); on a GPU, to the tensor
-  # cores' summation order.
+  # last tile (9) standing in for those past it; reversed, tiles 9 - p, 5 - p, 1 - p, tile 0
+  # standing in for those below it. Rows 0-1 tie exactly across two tiles of one instance (tiles
+  # 1 and 9, or 4 and 0 reversed) and within one tile: the first column must win whichever tile
+  # comes first. Exact in the interpreter (CPU); on a GPU, to the tensor cores' summation order.
   rank, vocab, programs = 64, 640, 4
   v, w2, base = _inputs(batch, rank, vocab)
   v = v.at[:2].set(0)                        # rows 0-1: corrected = base exactly
   base = base.at[:2, 1].set(0).at[0, 1, [70, 585]].set(5.0).at[1, 1, [3, 9, 259]].set(2.0)
   program_max, program_argmax = hopper_step.greedy_partials(
-      v, w2, base, step=1, stages=stages, programs=programs, interpret=CPU)
+      v, w2, base, step=1, stages=stages, programs=programs, reverse=reverse, interpret=CPU)
   assert program_max.shape == program_argmax.shape == (programs, batch)
   x = (base[:, 1].astype(jnp.float32) + jnp.dot(v, w2, preferred_element_type=jnp.float32))
   x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
   tokens = np.asarray(hopper_step.tokens(program_max, program_argmax))
   assert tokens[0] == 70 and tokens[1] == 3
-  columns = [np.concatenate([np.arange(64 * min(t, 9), 64 * min(t, 9) + 64)
-                             for t in range(p, 12, programs)])
-             for p in range(programs)]           # instance p's columns, in its visiting order
+  walk = (lambda t: max(9 - t, 0)) if reverse else (lambda t: min(t, 9))
+  columns = [np.sort(np.concatenate([np.arange(64 * walk(t), 64 * walk(t) + 64)
+                                     for t in range(p, 12, programs)]))
+             for p in range(programs)]           # instance p's columns, in column order
   want_max = np.stack([x[:, c].max(-1) for c in columns])
   want_argmax = np.stack([c[x[:, c].argmax(-1)] for c in columns])
   if not CPU:  # the tensor cores sum v @ W2 in another order: one bf16 ulp, rare near-tie flips
@@ -77,7 +80,8 @@ def test_hopper_form_equals_the_loop(kind):
   # Greedy-only blocks through `proposal.folded_block(pallas_options=hopper)`, B = 64, V = 640:
   # tokens and confidence equal the loop form's bit for bit in the interpreter (on a GPU the two
   # sum v @ W2 in different orders: the edge rows must agree, the rest nearly all), with rows of
-  # NaN, -inf and an exact tie across tiles (the kernel's integer keys).
+  # NaN, -inf and an exact tie across tiles (the kernel's integer keys). The gated head's block
+  # walks step 1's tiles backwards (``serpentine``).
   batch, gamma, vocab, rank, hidden = 64, 2, 640, 64, 6
   head = helpers.make_head(kind, vocab, rank, hidden)
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
@@ -98,7 +102,8 @@ def test_hopper_form_equals_the_loop(kind):
       arrays, conf.arrays(), jnp.asarray(base).astype(jnp.bfloat16), rows["anchor"], h,
       rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(0),
       kind=kind, greedy_only=True, form=form, pallas_options=options)
-      for form, options in (("loop", ()), ("pallas", (("hopper", True),)))]
+      for form, options in (("loop", ()),
+                            ("pallas", (("hopper", True), ("serpentine", kind == "gated"))))]
   loop_tokens, tokens = np.asarray(outs[0][0]), np.asarray(outs[1][0])
   if jax.default_backend() == "cpu":
     np.testing.assert_array_equal(loop_tokens, tokens)
@@ -122,7 +127,7 @@ def test_hopper_sampling_equals_the_loop(kind, batch):
   # confidence equal the loop form's bit for bit in the interpreter (a float32 head there: with
   # bf16 operands the interpreter's and XLA's dots may round one logit in 10^4 apart); on a GPU
   # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
-  # tokens nearly all).
+  # tokens nearly all). The gated head's block walks step 1's tiles backwards (``serpentine``).
   gamma, vocab, rank, hidden = 2, 1280, 64, 6
   arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
@@ -138,7 +143,8 @@ def test_hopper_sampling_equals_the_loop(kind, batch):
       arrays, conf.arrays(), jnp.asarray(base, jnp.bfloat16), rows["anchor"], h, rows["greedy"],
       rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(2), kind=kind,
       greedy_only=False, form=form, pallas_options=options)
-      for form, options in (("loop", ()), ("pallas", (("hopper", True),)))]
+      for form, options in (("loop", ()),
+                            ("pallas", (("hopper", True), ("serpentine", kind == "gated"))))]
   tokens = np.asarray(hopper[0])
   if CPU:
     for a, b in zip(loop, hopper):  # as float32: NumPy's NaN == NaN rule skips bfloat16
@@ -199,6 +205,17 @@ def test_hopper_sampling_block_law():
                        what="hopper vs 1.15 T")
 
 
+def _sampling_step(v, w2, base, temperature, greedy, step, **settings):
+  """`hopper_step.sampling_partials` on 4 instances: [keys, tokens, the corrected logits it wrote
+  at `step` as float32] (NumPy matches NaN with NaN in float32, not in bfloat16)."""
+  def kernel():
+    corrected = hopper_step.new_corrected(base.shape, base.dtype)
+    keys, tokens = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy,
+                                                 step=step, programs=4, interpret=CPU, **settings)
+    return keys, tokens, jax.freeze(corrected)[:, step].astype(jnp.float32)
+  return [np.asarray(x) for x in jax.jit(kernel)()]
+
+
 @pytest.mark.parametrize("reread", [True, False])
 def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
   # The 128-row form on the GPU: two warpgroups, 64 rows each, over shared W2 parts. Called
@@ -216,16 +233,8 @@ def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
   temperature = jnp.tile(jnp.array([0.5, 1.0, 2.0, 1.0]), batch // 4)
   greedy = (jnp.arange(batch) % 4 == 3).astype(jnp.int32)
 
-  def run(consumers):
-    def kernel():
-      corrected = hopper_step.new_corrected(base.shape, base.dtype)
-      keys, tokens = hopper_step.sampling_partials(
-          v, w2, base, corrected, temperature, greedy, step=step, programs=4,
-          consumers=consumers, reread=reread, interpret=CPU)
-      return keys, tokens, jax.freeze(corrected)[:, step].astype(jnp.float32)
-    return [np.asarray(x) for x in jax.jit(kernel)()]  # float32: NumPy matches NaN with NaN
-
-  one, two = run(1), run(2)
+  one, two = (_sampling_step(v, w2, base, temperature, greedy, step, consumers=consumers,
+                             reread=reread) for consumers in (1, 2))
   for a, b in zip(one[1:], two[1:]):
     np.testing.assert_array_equal(a, b)
   if CPU:
@@ -257,6 +266,28 @@ def test_two_consumer_sampling_kernel_equals_one_consumer(reread):
                                   step=step, consumers=2, interpret=CPU)
 
 
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_sampling_kernel_walks_the_tiles_backwards_on_request(consumers):
+  # ``reverse=True`` (the odd steps of a serpentine block): V = 1280, ten 128-column tiles over 4
+  # instances (3 visits each), 128 rows with a tie across tiles 0 and 9 and greedy and sampled
+  # rows. The corrected logits are the forward walk's and so are the tiles' pairs, in reverse row
+  # order: row t is tile 9 - t, rows 10-11 repeat tile 0. Bit for bit (the same code per tile).
+  batch, rank, vocab, gamma, step = 128, 64, 1280, 2, 1
+  v, w2, base = _inputs(batch, rank, vocab, seed=5)
+  v = v.at[:2].set(0)
+  base = base.at[:2, step].set(0.0).at[:2, step, [70, 1250]].set(4.0)
+  temperature = jnp.tile(jnp.array([0.5, 1.0, 2.0, 1.0]), batch // 4)
+  greedy = (jnp.arange(batch) % 2 == 0).astype(jnp.int32)
+
+  forward, backward = (_sampling_step(v, w2, base, temperature, greedy, step, consumers=consumers,
+                                      reverse=reverse) for reverse in (False, True))
+  np.testing.assert_array_equal(forward[2], backward[2])
+  for a, b in zip(forward[:2], backward[:2]):
+    np.testing.assert_array_equal(a[:10], b[:10][::-1])
+    np.testing.assert_array_equal(b[10:], np.stack([b[9]] * 2))
+  assert forward[1][0, 0] == 70 and forward[1][9, 0] == 1250  # the tie: a greedy row's tiles
+
+
 def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
   # 128 rows at r = 256 fit three stages of 64-column parts (`sampling_stages`), not four.
   assert hopper_step.sampling_stages(128, 256) == 3 and hopper_step.sampling_stages(64, 256) == 4
@@ -270,16 +301,17 @@ def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
                           form="pallas", pallas_options=(("hopper", True), ("stages", 4)))
 
 
-@pytest.mark.parametrize("batch", [64, 128])
-def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch):
-  # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place.
+@pytest.mark.parametrize("batch,reverse", [(64, False), (128, False), (128, True)])
+def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse):
+  # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place; `reverse`:
+  # an odd step of a serpentine block.
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   rank, vocab, gamma = 256, 129280, 7
 
   def step(v, w2, base, temperature, greedy):
     corrected = hopper_step.new_corrected(base.shape, base.dtype)
     pairs = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy, step=3,
-                                          programs=132)
+                                          programs=132, reverse=reverse)
     return pairs, jax.freeze(corrected)
   lowered = jax.jit(step).trace(
       spec((batch, rank), jnp.bfloat16), spec((rank, vocab), jnp.bfloat16),
@@ -295,11 +327,13 @@ def test_hopper_by_default_only_where_it_was_measured_to_win():
   assert proposal.hopper_by_default(256, 151936, bf16, bf16, hopper_gpu)
   assert not proposal.hopper_by_default(64, 129280, bf16, bf16, hopper_gpu)   # slower at 64 rows
   assert not proposal.hopper_by_default(160, 129280, bf16, bf16, hopper_gpu)  # not 64-row blocks
-  # Sampling: two warpgroups of 64 rows, and shared memory for two stages (128 rows at r = 256).
+  # Sampling: one warpgroup of 64 rows or two, and shared memory for two stages (128 rows at
+  # r = 256).
   sampled = functools.partial(proposal.hopper_by_default, greedy_only=False, rank=256)
   assert sampled(128, 129280, bf16, bf16, hopper_gpu) and sampled(128, 151936, bf16, bf16, hopper_gpu)
-  assert not sampled(64, 129280, bf16, bf16, hopper_gpu)    # slower at 64 rows
-  assert not sampled(192, 129280, bf16, bf16, hopper_gpu)   # not 128-row blocks
+  assert sampled(64, 129280, bf16, bf16, hopper_gpu) and sampled(64, 151936, bf16, bf16, hopper_gpu)
+  assert not sampled(8, 129280, bf16, bf16, hopper_gpu)     # the Triton kernel below 64 rows
+  assert not sampled(192, 129280, bf16, bf16, hopper_gpu)   # three row blocks: not measured
   assert not sampled(256, 129280, bf16, bf16, hopper_gpu)   # v does not fit shared memory
   assert not sampled(128, 129344, bf16, bf16, hopper_gpu)   # 64-column sampler tiles (64 x 2021)
   assert not proposal.hopper_by_default(128, 129281, bf16, bf16, hopper_gpu)  # no 64-column tiles

@@ -353,7 +353,8 @@ def test_draw_tokens_is_the_two_level_draw():
   # with the noise `sampling.tile_noise` gives the same rows' keys, at three block positions:
   # integer logits (exact ties inside and across tiles), a row of -inf (token 0), NaNs (the first
   # NaN), +inf (the first +inf), greedy and sampled rows, pairs with padded rows after the batch,
-  # or tile-major with rows after the last tile, and a tile count (99) that is not a power of two.
+  # or tile-major (in order or reversed) with rows after the last tile, and a tile count (99) that
+  # is not a power of two.
   rng = np.random.default_rng(0)
   batch, gamma, tile, tiles = 6, 3, 16, 99
   vocab = tile * tiles
@@ -367,6 +368,7 @@ def test_draw_tokens_is_the_two_level_draw():
   seeds = jnp.arange(batch, dtype=jnp.uint32) * 7
   positions = jnp.arange(batch, dtype=jnp.int32) + 100
   key = jax.random.key(11)
+  w1 = jnp.asarray(rng.normal(0, 1, (vocab, 8)), jnp.bfloat16)
   pad = lambda a: jnp.concatenate([a, jnp.zeros((10, tiles), a.dtype)])
   for step in range(gamma):
     x = corrected[:, step].astype(jnp.float32)
@@ -384,11 +386,16 @@ def test_draw_tokens_is_the_two_level_draw():
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # Tile-major pairs (`hopper_step.sampling_partials`'), with rows past the last tile that
     # must be ignored (here: large keys).
-    extra = lambda a: jnp.concatenate([a.T, jnp.full((5, batch), 1e9, a.dtype)])
-    got = token_kernels.draw_tokens(*map(extra, pairs), corrected, greedy, temperature,
-                                    sampling.key_words(key), seeds, positions, step=step,
-                                    tile_major=True, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Reversed (``sampling_partials(reverse=True)``): row t is tile V/c - 1 - t. With W1 the
+    # kernel also writes each row's W1[token] (the next step's vector of a vanilla head).
+    for reverse in (False, True):
+      order = (lambda a: a[::-1]) if reverse else (lambda a: a)
+      extra = lambda a: jnp.concatenate([order(a.T), jnp.full((5, batch), 1e9, a.dtype)])
+      got, vectors = token_kernels.draw_tokens(
+          *map(extra, pairs), corrected, greedy, temperature, sampling.key_words(key), seeds,
+          positions, w1=w1, step=step, tile_major=True, reversed_tiles=reverse, interpret=True)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+      np.testing.assert_array_equal(np.asarray(vectors), np.asarray(w1)[np.asarray(want)])
     assert int(want[0]) == 0 and int(want[2]) == 9 and int(want[3]) == 20
 
 
