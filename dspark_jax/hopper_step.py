@@ -18,9 +18,10 @@ best over the instance's tiles, so one pair per instance and row leaves the kern
 XLA reduces the P pairs (`tokens`). `sampling_partials` is the sampling variant's: 128-column tiles
 (`sampling.vocab_tile`, the two-level sampler's) computed as 64-column parts, the corrected logits
 written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
-`new_corrected`), and every tile's pair (a sampled row's the tile's log-mass, as `fused_step`
-without draws) stored tile-major, so that `token_kernels.draw_tokens` adds the tiles' noise,
-chooses the tile and draws inside it, as for the Triton kernel. Both take the vectors [B, r]
+`new_corrected`), and every tile's key (a sampled row's the tile's log-mass, as `fused_step`
+without draws, a greedy row's the tile's max) stored tile-major, so that
+`token_kernels.draw_tokens` adds the tiles' noise, chooses the tile and draws inside it, as for
+the Triton kernel, and finds a greedy row's first max in its chosen tile. Both take the vectors [B, r]
 (64 KB at B = 128): ``W1[x]`` gathered in XLA, or for a vanilla head's sampling steps written by
 the token choice before (`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor
 cores' row block).
@@ -37,7 +38,7 @@ On an H200 (BENCHMARKS.md, issue 6) both are the defaults on a Hopper GPU where
 (V = 151936), at B = 64 no faster; after session 11's changes 258.5 and 275.9 µs at B = 128.
 Sampling, session 11's defaults (versions 33-35): 354.8 µs against the Triton path's 425.7 at
 B = 128 and 258.8 against 274.5 at B = 64 (V = 129280); 398.9 against 500.9 and 301.2 against
-317.9 (V = 151936). The sampling kernel's road: whole 128-column tiles per stage were no faster than
+317.9 (V = 151936); session 12's (version 36): 338.3 and 248.9 µs, 378.0 and 281.9 µs. The sampling kernel's road: whole 128-column tiles per stage were no faster than
 Triton at B = 64, one tile's copies in flight (version 20); 64-column parts, written back over
 their U_k part, fit three stages at 128 rows and four at 64 (`sampling_stages`, version 21), but
 one warpgroup's epilogue (round, integer keys, two row reductions, a divide and an exp per
@@ -49,7 +50,9 @@ index a traced value, took 53 µs, against 56-58 µs for the Triton kernel, and 
 part's logits in registers for the exp sum (``reread=False``, now the default) 3 µs less
 (version 32). Then fewer instructions per element (version 33: the float first-max and the log-mass
 in base 2; 42 µs per step under Nsight Compute, 188 registers), odd steps walking backwards (34)
-and, with a vanilla head, the token choice writing the next step's ``W1[x]`` (35). Tests run
+and, with a vanilla head, the token choice writing the next step's ``W1[x]`` (35); then the
+greedy rows' first argmax left to the token choice, which reads the chosen tile anyway (36:
+-4 to -5 %), and a tile's two products started together with one warpgroup (36). Tests run
 both kernels in Mosaic GPU's CPU interpreter, where their tokens and logits equal the loop form's
 bit for bit (the two-warpgroup form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the
 greedy kernel.
@@ -125,6 +128,22 @@ def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
   return (acc_ref[...] + u.astype(jnp.float32)).astype(dtype)
 
 
+def _row_max(x, interpret):
+  """Per row of float32 [B, tile] registers: the max, NaN if any is (``max.NaN.f32``)."""
+  best = jnp.max(x, axis=1)
+  if interpret:  # the interpreter's max is XLA's on the CPU, which skips NaN: the GPU's does not
+    best = jnp.where(jnp.any(jnp.isnan(x), axis=1), jnp.nan, best)
+  return best
+
+
+def _part_pair(x, col0, interpret, argmax):
+  """A part's per-row (max integer key, first column at it) (`_first_max`), or without `argmax`
+  (max integer key, None): the token choice finds a greedy row's column in its chosen tile."""
+  if argmax:
+    return _first_max(x, col0, interpret)
+  return fused_step.order_keys(_row_max(x, interpret)), None
+
+
 def _first_max(x, col0, interpret):
   """Per row of float32 [B, tile] registers: (max integer key, first column at it, from `col0`);
   NaN first and -0 = +0, as in `fused_step`.
@@ -133,9 +152,7 @@ def _first_max(x, col0, interpret):
   element where `fused_step.order_keys` costs seven; only the rows' maxima become keys. Equal to
   a max is ``x == max`` (-0 and +0 alike) or, when the max is NaN, ``x`` NaN.
   """
-  best = jnp.max(x, axis=1)
-  if interpret:  # the interpreter's max is XLA's on the CPU, which skips NaN: the GPU's does not
-    best = jnp.where(jnp.any(jnp.isnan(x), axis=1), jnp.nan, best)
+  best = _row_max(x, interpret)
   lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
            plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
   at_best = (x == lax.broadcast_in_dim(best, x.shape, (0,))) | jnp.isnan(x)
@@ -283,7 +300,8 @@ def sampling_stages(batch: int, rank: int, tiles_per_instance: int = 8, itemsize
 
 
 def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, step, programs=None,
-                      stages=None, consumers=None, reread=False, reverse=False, interpret=False):
+                      stages=None, consumers=None, reread=False, reverse=False, overlap=None,
+                      argmax=True, interpret=False):
   """One sampling-variant step: writes step `step`'s corrected logits into `corrected` and returns
   each vocabulary tile's (key, token) pair per row, as `fused_step.step_stats` without draws.
 
@@ -299,7 +317,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
 
   One consumer warpgroup (`consumers` = 1) does all of an instance's work, one part after the
   other: at part n it waits for the previous part's store to have read its slot, refills that slot
-  with part n + stages - 1 (W2 and U_k on one barrier) and waits for part n. Two (`consumers` = 2,
+  with part n + stages - 1 (W2 and U_k on one barrier) and waits for part n (with `overlap` it
+  starts a tile's products together, so that the second runs during the first's epilogue). Two (`consumers` = 2,
   B a multiple of 128) split the rows, 64 each, over shared W2 parts: a W2 slot is refilled once
   both have multiplied with it; each consumer has its own U_k slots, refilled after the part's
   store and the tile's statistics are done with them (the store just issued is not waited for),
@@ -323,11 +342,19 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
       computed: faster on an H200, 51.9 against 54.8 µs per step at B = 128).
     reverse: static, walk the tiles from the last one down (`greedy_partials`); the pairs' rows
       then come in that order too.
+    overlap: static, a tile's parts' products start together (two accumulators; `stages` >= the
+      tile's parts + 1), so that the tensor cores work on the second during the first part's
+      epilogue (None: with one consumer, where it was faster on an H200, 1-2 % at B = 64; with
+      two it was 5-8 % slower at B = 128: BENCHMARKS.md, issue 6, version 36).
+    argmax: static, greedy rows' tokens are their tiles' first argmax (else the tile's first
+      column, as a sampled row's: ``draw_tokens(greedy_in_tile=True)`` finds the first max in
+      the chosen tile; the kernel then skips five instructions per element and stores no tokens).
 
   Returns:
     ``(tile_key [T, B] float32, tile_token [T, B] int32)``, tile-major, T = P · (tiles per
     instance) >= V / c: row t < V / c is tile t (with `reverse`, tile V/c - 1 - t); the rows
-    after it repeat the last tile (with `reverse`, tile 0).
+    after it repeat the last tile (with `reverse`, tile 0). Without `argmax`, ``tile_token`` is
+    None.
   """
   rows, rank = v.shape
   vocab = base_logits.shape[2]
@@ -353,9 +380,13 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   if consumers == 2 and stages < max(parts, 2):  # a slot is refilled after the next part's store
     raise ValueError(f"stages: two consumers need >= {max(parts, 2)} for {tile}-column tiles, "
                      f"got {stages}")
+  if overlap is None:  # measured: faster with one consumer, slower with two (version 36)
+    overlap = consumers == 1 and stages >= parts + 1
+  if overlap and stages < parts + 1:  # a tile's parts all in shared memory, the next one coming
+    raise ValueError(f"stages: overlap needs >= {parts + 1} for {tile}-column tiles, got {stages}")
   geometry = dict(rows=rows, tile=tile, parts=parts, tiles=tiles, programs=programs,
                   per_program=per_program, stages=stages, step=step, reverse=reverse,
-                  interpret=interpret,
+                  interpret=interpret, overlap=overlap, argmax=argmax,
                   row_layout=None if interpret else plgpu.Layout.WGMMA.reduce(1))
   if consumers == 1:
     kernel, barriers = _one_consumer(**geometry)
@@ -378,7 +409,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
                   **({"interpret": _interpret_params()} if interpret else {}))
   keys, tokens = run(corrected, v.astype(w2.dtype), w2, base_logits,
                      temperature.astype(jnp.float32), greedy.astype(jnp.int32))
-  return keys.reshape(-1, rows), tokens.reshape(-1, rows)
+  return keys.reshape(-1, rows), tokens.reshape(-1, rows) if argmax else None
 
 
 def _sampling_scratch(rows, rank, stages, per_program, consumers, w2_dtype, logits_dtype,
@@ -419,9 +450,13 @@ def _tile_log_mass(xs, tile_max, temp):
 
 
 def _first_of_parts(pairs):
-  """A tile's (max key, first column) from its parts' pairs in column order (ties: the earlier)."""
+  """A tile's (max key, first column) from its parts' pairs in column order (ties: the earlier);
+  (max key, None) from `_part_pair`'s pairs without columns."""
   best, first = pairs[0]
   for part_best, part_first in pairs[1:]:
+    if first is None:
+      best = jnp.maximum(best, part_best)
+      continue
     later = part_best > best
     best, first = jnp.where(later, part_best, best), jnp.where(later, part_first, first)
   return best, first
@@ -429,11 +464,14 @@ def _first_of_parts(pairs):
 
 def _tile_pair(pairs, xs, col0, temp, greedy_rows):
   """A tile's (key, token) per row from its parts' pairs and float32 logits (`xs()`): a greedy
-  row's (max, first argmax), a sampled row's (log-mass, first column)."""
+  row's (max, first argmax), a sampled row's (log-mass, first column); a greedy row's token is
+  the first column too when the pairs have no columns (`_part_pair`)."""
   best, first = _first_of_parts(pairs)
   tile_max = fused_step.key_value(best)
   greedy_row = greedy_rows != 0
   key = jnp.where(greedy_row, tile_max, _tile_log_mass(xs(), tile_max, temp))
+  if first is None:  # no tokens: each row's is the tile's first column
+    return key, None
   return key, jnp.where(greedy_row, first, col0)
 
 
@@ -443,14 +481,15 @@ def _visit_tiles(per_program, tile_pair, key_stage, token_stage):
   def visit(i, carry):
     key, token = tile_pair(i)
     key_stage.at[i][...] = key
-    token_stage.at[i][...] = token
+    if token is not None:
+      token_stage.at[i][...] = token
     return carry
   lax.fori_loop(0, per_program, visit, 0)
   plgpu.commit_smem()
 
 
 def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
-                  interpret, row_layout):
+                  interpret, row_layout, overlap, argmax):
   """`sampling_partials`' kernel for one warpgroup, and its barriers."""
   def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, key_gmem,
              token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, key_stage, token_stage,
@@ -466,26 +505,56 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
       plgpu.copy_gmem_to_smem(base_gmem.at[:, step, columns(n)], u_smem.at[0, slot],
                               in_barriers.at[slot])
 
-    def part_logits(n):
-      """Part n's corrected logits, [B, PART] float32, once its copies landed (also stored)."""
-      slot = _next_slot(n, stages, per_program * parts, fetch, in_barriers)
+    total = per_program * parts
 
-      def with_accumulator(acc_ref):
-        u_part = u_smem.at[0, slot]
-        logits = _corrected_tile(acc_ref, v_smem.at[0], w2_smem.at[slot], u_part,
-                                 base_gmem.dtype, interpret)
-        u_part[...] = logits  # over the U_k part, which is in registers now
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[:, step, columns(n)])
-        return logits.astype(jnp.float32)
-      return pl.run_scoped(with_accumulator, plgpu.ACC((rows, PART), jnp.float32))
+    def start_product(n, acc_ref, refill):
+      """Waits for part n's copies (with `refill`, first starts part n + stages - 1's, into the
+      slot part n - 1 used) and starts its ``v @ W2`` on the tensor cores."""
+      if refill:
+        slot = _next_slot(n, stages, total, fetch, in_barriers)
+      else:
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(in_barriers.at[slot])
+      plgpu.wgmma(acc_ref, v_smem.at[0], w2_smem.at[slot])
+
+    def finish_part(n, acc_ref, later_products):
+      """Part n's corrected logits, [B, PART] float32, once its product is done (`later_products`
+      started after it may still run); they are written over the U_k part and stored."""
+      acc = (acc_ref[...] if interpret else
+             plgpu.wgmma_accumulator_load(acc_ref, wait_n=later_products))
+      u_part = u_smem.at[0, lax.rem(n, stages)]
+      logits = (acc + (u_part[...] if interpret else plgpu.load(
+          u_part, (), layout=plgpu.Layout.WGMMA)).astype(jnp.float32)).astype(base_gmem.dtype)
+      u_part[...] = logits  # over the U_k part, which is in registers now
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[:, step, columns(n)])
+      return logits.astype(jnp.float32)
+
+    def tile_logits(i):
+      """The tile's parts' logits. With `overlap` every part's product is started first (the
+      later parts' copies were started a tile before), so that the next product runs on the
+      tensor cores while a part's epilogue runs; the slot a part leaves is refilled after it."""
+      def run(accs):
+        xs = []
+        for h in range(parts):
+          n = i * parts + h
+          if not overlap:
+            start_product(n, accs[h], refill=True)
+          elif h == 0:
+            for later in range(parts):
+              start_product(n + later, accs[later], refill=later == 0)
+          xs.append(finish_part(n, accs[h], parts - 1 - h if overlap else 0))
+          if overlap and h + 1 < parts:
+            @pl.when(n + stages < total)
+            def _():
+              fetch(n + stages)  # into part n's slot
+        return xs
+      return pl.run_scoped(lambda *accs: run(accs), *[plgpu.ACC((rows, PART), jnp.float32)] * parts)
 
     def tile_pair(i, temp, greedy_rows):
-      xs, pairs = [], []
-      for h in range(parts):
-        x = part_logits(i * parts + h)
-        pairs.append(_first_max(x, tile_of(i) * tile + h * PART, interpret))
-        xs.append(x)
+      xs = tile_logits(i)
+      pairs = [_part_pair(x, tile_of(i) * tile + h * PART, interpret, argmax)
+               for h, x in enumerate(xs)]
       return _tile_pair(pairs, lambda: xs, tile_of(i) * tile, temp, greedy_rows)
 
     plgpu.copy_gmem_to_smem(v_gmem, v_smem.at[0], v_barrier.at[0])
@@ -499,14 +568,15 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
     _visit_tiles(per_program, lambda i: tile_pair(i, temp, greedy_rows), key_stage.at[0],
                  token_stage.at[0])
     plgpu.copy_smem_to_gmem(key_stage.at[0], key_gmem.at[:, program])
-    plgpu.copy_smem_to_gmem(token_stage.at[0], token_gmem.at[:, program])
+    if argmax:
+      plgpu.copy_smem_to_gmem(token_stage.at[0], token_gmem.at[:, program])
     plgpu.wait_smem_to_gmem(0)
 
   return kernel, [plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
 
 
 def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
-                   interpret, row_layout, reread):
+                   interpret, row_layout, reread, overlap, argmax):
   """`sampling_partials`' kernel for two warpgroups splitting the rows, and its barriers.
 
   Both warpgroups run one copy of the code, with their index ``c`` a traced value: each has its
@@ -546,41 +616,60 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         fetch_u(m + stages)
 
-    def part(n, col0):
-      """Part n's (max key, first column) per row and float32 logits, once its copies landed;
-      the logits are written over the U_k part and their store issued."""
+    def start_product(n, acc_ref):
+      """Waits for part n's copies and starts its ``v @ W2`` on the tensor cores."""
       slot = lax.rem(n, stages)
       plgpu.barrier_wait(w2_barriers.at[slot])
       plgpu.barrier_wait(u_barriers.at[c * stages + slot])
+      plgpu.wgmma(acc_ref, v_smem.at[c], w2_smem.at[slot])
 
-      def with_accumulator(acc_ref):
-        plgpu.wgmma(acc_ref, v_smem.at[c], w2_smem.at[slot])
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(w2_free.at[slot])
+    def finish_part(n, col0, acc_ref, later_products):
+      """Part n's (max key, first column) per row and float32 logits, once its product is done
+      (`later_products` products started after it may still run); the logits are written over
+      the U_k part and their store issued."""
+      slot = lax.rem(n, stages)
+      acc = (acc_ref[...] if interpret else
+             plgpu.wgmma_accumulator_load(acc_ref, wait_n=later_products))
+      plgpu.barrier_arrive(w2_free.at[slot])
 
-        # Consumer 0 refills the part before's W2 slot, which both are (nearly) done with.
-        @pl.when((c == 0) & (n >= 1) & (n - 1 + stages < total))
-        def _():
-          plgpu.barrier_wait(w2_free.at[lax.rem(n - 1, stages)])
-          fetch_w2(n - 1 + stages)
-        u_part = u_smem.at[c, slot]
-        logits = (acc_ref[...] + load_part(u_part).astype(jnp.float32)).astype(base_gmem.dtype)
-        u_part[...] = logits  # over the U_k part, which is in registers now
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[mine, step, columns(n)])
-        x = logits.astype(jnp.float32)
-        return _first_max(x, col0, interpret) + (x,)
-      return pl.run_scoped(with_accumulator, plgpu.ACC((share, PART), jnp.float32))
+      # Consumer 0 refills the part before's W2 slot, which both are (nearly) done with.
+      @pl.when((c == 0) & (n >= 1) & (n - 1 + stages < total))
+      def _():
+        plgpu.barrier_wait(w2_free.at[lax.rem(n - 1, stages)])
+        fetch_w2(n - 1 + stages)
+      u_part = u_smem.at[c, slot]
+      logits = (acc + load_part(u_part).astype(jnp.float32)).astype(base_gmem.dtype)
+      u_part[...] = logits  # over the U_k part, which is in registers now
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[mine, step, columns(n)])
+      x = logits.astype(jnp.float32)
+      return _part_pair(x, col0, interpret, argmax) + (x,)
+
+    def tile_parts(i):
+      """The tile's parts, `finish_part`'s results; with `overlap` every part's product is
+      started first, so that the next one runs on the tensor cores while a part's epilogue runs."""
+      def run(accs):
+        if overlap:
+          for h in range(parts):
+            start_product(i * parts + h, accs[h])
+        results = []
+        for h in range(parts):
+          n = i * parts + h
+          if not overlap:
+            start_product(n, accs[h])
+          results.append(finish_part(n, tile_of(i) * tile + h * PART, accs[h],
+                                     parts - 1 - h if overlap else 0))
+          if h == 0:
+            @pl.when(i >= 1)  # the tile before's last part: its slot is done with
+            def _():
+              refill_u(n - 1)
+        return results
+      return pl.run_scoped(lambda *accs: run(accs),
+                           *[plgpu.ACC((share, PART), jnp.float32)] * parts)
 
     def tile_pair(i, temp, greedy_rows):
       xs, pairs = [], []
-      for h in range(parts):
-        n = i * parts + h
-        part_best, part_first, x = part(n, tile_of(i) * tile + h * PART)
-        if h == 0:
-          @pl.when(i >= 1)  # the tile before's last part: its slot is done with
-          def _():
-            refill_u(n - 1)
+      for part_best, part_first, x in tile_parts(i):
         pairs.append((part_best, part_first))
         xs.append(x)
 
@@ -616,7 +705,8 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
       for m in range(max(total - stages, 0), total):
         plgpu.barrier_wait(w2_free.at[m % stages])
     plgpu.copy_smem_to_gmem(key_stage.at[c], key_gmem.at[:, program, mine])
-    plgpu.copy_smem_to_gmem(token_stage.at[c], token_gmem.at[:, program, mine])
+    if argmax:
+      plgpu.copy_smem_to_gmem(token_stage.at[c], token_gmem.at[:, program, mine])
     plgpu.wait_smem_to_gmem(0)
 
   return kernel, [plgpu.Barrier(num_arrivals=1, num_barriers=stages),       # W2 parts

@@ -297,8 +297,10 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   ``("stages", s)``, ``("programs", P)`` set it up) or `hopper_step.sampling_partials` (the
   corrected logits written in place into a `hopper_step.new_corrected` buffer, the tiles' pairs
   tile-major, then `token_kernels.draw_tokens` chooses and draws; at r = 256 up to 128 rows;
-  ``("consumers", 1 | 2)`` and ``("reread", ...)`` set its warpgroups; with a vanilla head the
-  token choice also writes the next step's ``W1[x]``, unless ``("vectors", False)``);
+  ``("consumers", 1 | 2)``, ``("reread", ...)`` and ``("overlap", ...)`` set its warpgroups; the
+  token choice finds greedy rows' first argmax in their chosen tiles, unless ``("argmax", True)``
+  (the kernel then does); with a vanilla head the token choice also writes the next step's
+  ``W1[x]``, unless ``("vectors", False)``);
   ``("serpentine", ...)`` (both; default `HOPPER_SERPENTINE`) walks odd steps' tiles from the last
   one down. Blocks take it by default where `hopper_by_default` says so (greedy-only from 128 rows
   in multiples of 64; sampling at 64 rows and in multiples of 128 that fit its shared memory) and
@@ -363,7 +365,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
                      "gathered in the kernel (a vanilla head without a confidence head) and the "
                      "token chosen from the tiles alone (greedy-only, or per-tile draws)")
   hopper_settings = ({"tile", "stages", "programs", "serpentine"} if greedy_only
-                     else {"stages", "programs", "consumers", "reread", "serpentine", "vectors"})
+                     else {"stages", "programs", "consumers", "reread", "serpentine", "vectors",
+                           "overlap", "argmax"})
   if compact and (hopper or persistent):
     raise ValueError(f"pallas_options: {'hopper' if hopper else 'persistent'} does not take "
                      "store_logits=False (the per-step Triton kernel does)")
@@ -411,6 +414,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
                     and kind == "vanilla" and rank & (rank - 1) == 0)
   if hopper and not greedy_only:  # the corrected logits written in place
     corrected_ref = hopper_step.new_corrected(base_logits.shape, base_logits.dtype)
+    # The token choice finds a greedy row's first argmax in its chosen tile (version 36).
+    hopper_argmax = options.pop("argmax", False)
   for k in range(gamma):
     hidden_k = None if hidden is None else hidden[:, k]
     if hopper:  # v (in XLA, or from the token choice before), the Mosaic GPU kernel, the choice
@@ -427,12 +432,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       else:  # the tiles' pairs, tile-major; the token choice draws
         tile_key, tile_token = hopper_step.sampling_partials(
             v, head_params["w2"], base_logits, corrected_ref, temperature, greedy_rows,
-            step=k, reverse=reverse, interpret=interpret, **options)
+            step=k, reverse=reverse, argmax=hopper_argmax, interpret=interpret, **options)
         w1 = head_params["w1"] if hopper_vectors and k + 1 < gamma else None
         prev, block, *next_vectors = token_kernels.draw_tokens(
             tile_key, tile_token, corrected_ref[...], greedy_rows, temperature, key_words, seeds,
             positions, block, w1, step=k, batch=batch, gamma=gamma, tile_major=True,
-            reversed_tiles=reverse, interpret=interpret)
+            reversed_tiles=reverse, greedy_in_tile=not hopper_argmax, interpret=interpret)
         next_vectors = next_vectors[0] if next_vectors else None
       tokens.append(prev)
       if conf_params is not None:

@@ -116,7 +116,7 @@ def _pair_gumbels(k0, k1, domain, pairs):
 
 def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_ref, seed_ref,
                  position_ref, *refs, tiles, half, tile, step, pdl, tile_major, reversed_tiles,
-                 vectors, interpret, blocks):
+                 vectors, greedy_in_tile, interpret, blocks):
   row = pl.program_id(0)
   one = pl.ds(row, 1)
   pairs = jax.lax.broadcasted_iota(jnp.int32, (half,), 0)
@@ -141,19 +141,25 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
   else:
     at = lambda t: (row, t)
   keys = [plgpu.load(key_ref.at[at(t)], mask=t < tiles, other=-jnp.inf)[None, :] for t in lanes]
-  tokens = [plgpu.load(token_ref.at[at(t)], mask=t < tiles, other=fused_step.BIG_INDEX)[None, :]
-            for t in lanes]
+  if greedy_in_tile:  # every tile's token is its first column
+    tokens = [jnp.where(t < tiles, t * tile, fused_step.BIG_INDEX)[None, :] for t in lanes]
+  else:
+    tokens = [plgpu.load(token_ref.at[at(t)], mask=t < tiles, other=fused_step.BIG_INDEX)[None, :]
+              for t in lanes]
   # A sampled row's key is its tile's log-mass: with the tile's draw added, the max is the tile.
   keys = [jnp.where(greedy[:, None], k, k + g) for k, g in zip(keys, (tile_even, tile_odd))]
   _, token = _first_max_of_halves(keys[0], tokens[0], keys[1], tokens[1])
-  # The draw inside the chosen tile (a sampled row's token is the tile's first column).
-  sampled = jnp.broadcast_to(~greedy[:, None], (1, tile // 2))
+  # The draw inside the chosen tile (a sampled row's token is the tile's first column); with
+  # `greedy_in_tile` a greedy row's too, and its column is the tile's first max.
+  sampled = jnp.broadcast_to(greedy_in_tile | ~greedy[:, None], (1, tile // 2))
   within = [2 * columns[None, :], 2 * columns[None, :] + 1]
   logits = [plgpu.load(corrected_ref.at[row, jnp.int32(step), token[:, None] + c], mask=sampled,
                        other=0.0).astype(jnp.float32) for c in within]
   scores = [x / temperature[:, None] + g for x, g in zip(logits, (column_even, column_odd))]
+  if greedy_in_tile:
+    scores = [jnp.where(greedy[:, None], x, score) for x, score in zip(logits, scores)]
   _, column = _first_max_of_halves(scores[0], within[0], scores[1], within[1])
-  token = jnp.where(greedy, token, token + column)
+  token = token + column if greedy_in_tile else jnp.where(greedy, token, token + column)
   _write_token(refs, row, step, token, blocks)
   if vectors:  # the next step's Markov vector W1[token] (a vanilla head): refs[0] is W1
     w1_ref, rank = refs[0], refs[0].shape[1]
@@ -163,10 +169,10 @@ def _draw_kernel(key_ref, token_ref, corrected_ref, greedy_ref, temp_ref, words_
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch", "pdl", "gamma", "tile_major",
-                                             "reversed_tiles", "interpret"))
+                                             "reversed_tiles", "greedy_in_tile", "interpret"))
 def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words, seeds, positions,
                 block=None, w1=None, *, step, batch=None, pdl=False, gamma=None, tile_major=False,
-                reversed_tiles=False, interpret=False):
+                reversed_tiles=False, greedy_in_tile=False, interpret=False):
   """The token choice of a sampling step that draws: `choose_tokens` plus the two-level sampler's
   noise and in-tile draw (`sampling`), one kernel instance per row.
 
@@ -193,6 +199,10 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
       ignored): `hopper_step.sampling_partials`' pairs.
     reversed_tiles: with `tile_major`, row t < V/c is tile V/c - 1 - t (``sampling_partials(...,
       reverse=True)``).
+    greedy_in_tile: with `tile_major`, every row's tile token is the tile's first column
+      (`tile_token` is None: ``sampling_partials(argmax=False)``), a greedy row's key its tile's
+      max: a greedy row's token is then the first maximum of the stored logits in the chosen
+      tile, found here (NaN first).
     w1: [V, r] a vanilla head's first matrix, r a power of two: each row's next Markov vector
       ``W1[token]`` is written too, so that the next step kernel (`hopper_step.sampling_partials`)
       reads it without an XLA gather between the two.
@@ -211,7 +221,12 @@ def draw_tokens(tile_key, tile_token, corrected, greedy, temperature, key_words,
   half = max(16, 1 << (-(-tiles // 2) - 1).bit_length())  # a power of two for the lanes
   kernel = functools.partial(_draw_kernel, tiles=tiles, half=half, tile=tile, step=step, pdl=pdl,
                              tile_major=tile_major, reversed_tiles=reversed_tiles,
-                             vectors=w1 is not None, interpret=interpret)
+                             vectors=w1 is not None, greedy_in_tile=greedy_in_tile,
+                             interpret=interpret)
+  if greedy_in_tile != (tile_token is None) or (greedy_in_tile and not tile_major):
+    raise ValueError("tile_token: None exactly when greedy_in_tile, which needs tile_major")
+  if tile_token is None:  # a placeholder the kernel does not read
+    tile_token = jnp.zeros((1, 1), jnp.int32)
   inputs = [tile_key, tile_token, corrected, fused_step.greedy_mask(greedy),
             temperature.astype(jnp.float32), key_words.astype(jnp.uint32),
             seeds.astype(jnp.uint32), positions.astype(jnp.int32)]

@@ -118,8 +118,13 @@ def _head_arrays(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat1
   return {name: jnp.asarray(a, dtype) for name, a in arrays.items()}
 
 
-@pytest.mark.parametrize("kind,batch", [("vanilla", 64), ("gated", 64), ("vanilla", 128)])
-def test_hopper_sampling_equals_the_loop(kind, batch):
+ARGMAX = (("argmax", True),)  # the kernel, not the token choice, finds greedy rows' first argmax
+
+
+@pytest.mark.parametrize("kind,batch,settings", [("vanilla", 64, ()), ("gated", 64, ()),
+                                                 ("vanilla", 128, ()), ("vanilla", 64, ARGMAX),
+                                                 ("gated", 128, ARGMAX)])
+def test_hopper_sampling_equals_the_loop(kind, batch, settings):
   # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64 (4 stages) and 128
   # (3 stages), V = 1280 (ten 128-column tiles of two 64-column parts over 4 instances), γ = 2,
   # bf16 logits, greedy rows and rows at T = 0.5, 1, 2, a confidence head. Rows 0-1 all -inf, rows 2-3 a NaN at column 1100, rows 4-5 an exact tie
@@ -128,6 +133,8 @@ def test_hopper_sampling_equals_the_loop(kind, batch):
   # bf16 operands the interpreter's and XLA's dots may round one logit in 10^4 apart); on a GPU
   # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
   # tokens nearly all). The gated head's block walks step 1's tiles backwards (``serpentine``).
+  # By default the kernel leaves greedy rows' first argmax to the token choice, which finds it in
+  # the chosen tile; `ARGMAX`: the kernel finds it.
   gamma, vocab, rank, hidden = 2, 1280, 64, 6
   arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
@@ -144,7 +151,8 @@ def test_hopper_sampling_equals_the_loop(kind, batch):
       rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(2), kind=kind,
       greedy_only=False, form=form, pallas_options=options)
       for form, options in (("loop", ()),
-                            ("pallas", (("hopper", True), ("serpentine", kind == "gated"))))]
+                            ("pallas", (("hopper", True), ("serpentine", kind == "gated"))
+                             + settings))]
   tokens = np.asarray(hopper[0])
   if CPU:
     for a, b in zip(loop, hopper):  # as float32: NumPy's NaN == NaN rule skips bfloat16
@@ -288,6 +296,28 @@ def test_sampling_kernel_walks_the_tiles_backwards_on_request(consumers):
   assert forward[1][0, 0] == 70 and forward[1][9, 0] == 1250  # the tie: a greedy row's tiles
 
 
+@pytest.mark.parametrize("consumers,stages", [(1, 3), (2, 3)])
+def test_sampling_kernel_overlapping_products_changes_nothing(consumers, stages):
+  # ``overlap=True`` starts both parts' products of a tile before the first part's epilogue (two
+  # accumulators) and refills a slot after its part instead of before the next: the same values
+  # in a different order of work. V = 1280 (ten tiles over 4 instances, 3 visits each, the last
+  # revisited), 128 rows with a -inf row, a NaN and greedy and sampled rows, the fewest stages
+  # it takes: keys, tokens and corrected logits equal the kernel's without, bit for bit.
+  batch, rank, vocab, gamma, step = 128, 64, 1280, 2, 1
+  v, w2, base = _inputs(batch, rank, vocab, gamma, seed=6)
+  base = base.at[0].set(-jnp.inf).at[1, :, 1100].set(jnp.nan)
+  temperature = jnp.tile(jnp.array([0.5, 1.0, 2.0, 1.0]), batch // 4)
+  greedy = (jnp.arange(batch) % 4 == 3).astype(jnp.int32)
+  plain, overlapped = (_sampling_step(v, w2, base, temperature, greedy, step, stages=stages,
+                                      consumers=consumers, overlap=overlap)
+                       for overlap in (False, True))
+  for a, b in zip(plain, overlapped):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="stages: overlap needs >= 3"):
+    _sampling_step(v, w2, base, temperature, greedy, step, stages=2, consumers=consumers,
+                   overlap=True)
+
+
 def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
   # 128 rows at r = 256 fit three stages of 64-column parts (`sampling_stages`), not four.
   assert hopper_step.sampling_stages(128, 256) == 3 and hopper_step.sampling_stages(64, 256) == 4
@@ -301,8 +331,11 @@ def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
                           form="pallas", pallas_options=(("hopper", True), ("stages", 4)))
 
 
-@pytest.mark.parametrize("batch,reverse", [(64, False), (128, False), (128, True)])
-def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse):
+@pytest.mark.parametrize("batch,reverse,settings", [
+    (64, False, {}), (128, False, {}), (128, True, {}),
+    (64, False, {"overlap": False, "argmax": False}),
+    (128, True, {"overlap": True, "argmax": False})])
+def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse, settings):
   # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place; `reverse`:
   # an odd step of a serpentine block.
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
@@ -311,7 +344,7 @@ def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse):
   def step(v, w2, base, temperature, greedy):
     corrected = hopper_step.new_corrected(base.shape, base.dtype)
     pairs = hopper_step.sampling_partials(v, w2, base, corrected, temperature, greedy, step=3,
-                                          programs=132, reverse=reverse)
+                                          programs=132, reverse=reverse, **settings)
     return pairs, jax.freeze(corrected)
   lowered = jax.jit(step).trace(
       spec((batch, rank), jnp.bfloat16), spec((rank, vocab), jnp.bfloat16),

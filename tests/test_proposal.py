@@ -354,7 +354,9 @@ def test_draw_tokens_is_the_two_level_draw():
   # integer logits (exact ties inside and across tiles), a row of -inf (token 0), NaNs (the first
   # NaN), +inf (the first +inf), greedy and sampled rows, pairs with padded rows after the batch,
   # or tile-major (in order or reversed) with rows after the last tile, and a tile count (99) that
-  # is not a power of two.
+  # is not a power of two. Tile-major pairs without tokens (``greedy_in_tile``: every tile's token
+  # its first column, a greedy row's first max found in its chosen tile) give the same tokens,
+  # also with the NaN and +inf rows greedy (steps 1 and 2).
   rng = np.random.default_rng(0)
   batch, gamma, tile, tiles = 6, 3, 16, 99
   vocab = tile * tiles
@@ -397,6 +399,21 @@ def test_draw_tokens_is_the_two_level_draw():
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
       np.testing.assert_array_equal(np.asarray(vectors), np.asarray(w1)[np.asarray(want)])
     assert int(want[0]) == 0 and int(want[2]) == 9 and int(want[3]) == 20
+    for rows_greedy in (greedy, jnp.asarray([1, 1, 1, 1, 0, 0], jnp.int32)) if step else ():
+      tile_key = sampling.tile_choices(tile_max, tile_arg, mass, starts, rows_greedy != 0)[0]
+      want = sampling.tokens_from_tile_stats(corrected[:, step], tile_max, tile_arg, mass,
+                                             rows_greedy != 0, temperature,
+                                             sampling.tile_noise(keys, tiles, tile))
+      got = token_kernels.draw_tokens(
+          tile_key.T[::-1], None, corrected, rows_greedy, temperature, sampling.key_words(key),
+          seeds, positions, step=step, tile_major=True, reversed_tiles=True,
+          greedy_in_tile=True, interpret=True)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(want[0]) == 0 and int(want[2]) == 9 and int(want[3]) == 20
+  with pytest.raises(ValueError, match="tile_token: None exactly when greedy_in_tile"):
+    token_kernels.draw_tokens(tile_key.T, None, corrected, greedy, temperature,
+                              sampling.key_words(key), seeds, positions, step=0, tile_major=True,
+                              interpret=True)
 
 
 def test_pdl_is_refused_where_the_chain_does_not_apply():
