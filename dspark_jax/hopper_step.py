@@ -14,17 +14,16 @@ blocks, W2 from L2, and its loads are plain per-thread loads. These kernels are 
   logits dtype, then each row's (key, token) pair for the tile.
 
 `greedy_partials` is the greedy-only step (64-column tiles): it keeps each row's pair as a running
-best over the instance's tiles, so one pair per instance and row leaves the kernel ([P, B]), and
-XLA reduces the P pairs (`tokens`). `sampling_partials` is the sampling variant's: 128-column tiles
+best over the instance's tiles, so one pair per instance and row leaves the kernel ([P, B]), and XLA
+reduces the P pairs (`tokens`). `sampling_partials` is the sampling variant's: 128-column tiles
 (`sampling.vocab_tile`, the two-level sampler's) computed as 64-column parts, the corrected logits
 written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
-`new_corrected`), and every tile's key (a sampled row's the tile's log-mass, as `fused_step`
-without draws, a greedy row's the tile's max) stored tile-major, so that
-`token_kernels.draw_tokens` adds the tiles' noise, chooses the tile and draws inside it, as for
-the Triton kernel, and finds a greedy row's first max in its chosen tile. Both take the vectors [B, r]
-(64 KB at B = 128): ``W1[x]`` gathered in XLA, or for a vanilla head's sampling steps written by
-the token choice before (`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor
-cores' row block).
+`new_corrected`), and every tile's key (a sampled row's the tile's log-mass, as `fused_step` without
+draws, a greedy row's the tile's max) stored tile-major, so that `token_kernels.draw_tokens` adds
+the tiles' noise, chooses the tile and draws inside it, as for the Triton kernel, and finds a greedy
+row's first max in its chosen tile. Both take the vectors [B, r] (64 KB at B = 128): ``W1[x]``
+gathered in XLA, or for a vanilla head's sampling steps written by the token choice before
+(`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor cores' row block).
 Maxima are float maxima that a NaN wins (``max.NaN.f32``), compared across tiles as `fused_step`'s
 integer keys (NaN first, -0 = +0), so tokens are the other forms', up to the order in which
 ``v @ W2`` is summed; in the benchmark runs tokens and corrected logits equalled the Triton
@@ -33,29 +32,29 @@ approximate ``ex2``, so it can differ from XLA's in the last bits (within 1e-5 i
 
 On an H200 (BENCHMARKS.md, issue 6) both are the defaults on a Hopper GPU where
 `proposal.hopper_by_default` says so (greedy-only from 128 rows, sampling from 64);
-``pallas_options=(("hopper", False),)`` keeps the Triton kernel. Greedy-only (version 19): 297-300
-µs instead of the Triton kernel's 336 µs at B = 128 (V = 129280), 311-321 instead of 366 µs
+``pallas_options=(("hopper", False),)`` keeps the Triton kernel. Greedy-only (version 19):
+297-300 µs instead of the Triton kernel's 336 µs at B = 128 (V = 129280), 311-321 instead of 366 µs
 (V = 151936), at B = 64 no faster; after session 11's changes 258.5 and 275.9 µs at B = 128.
 Sampling, session 11's defaults (versions 33-35): 354.8 µs against the Triton path's 425.7 at
-B = 128 and 258.8 against 274.5 at B = 64 (V = 129280); 398.9 against 500.9 and 301.2 against
-317.9 (V = 151936); session 12's (version 36): 338.3 and 248.9 µs, 378.0 and 281.9 µs. The sampling kernel's road: whole 128-column tiles per stage were no faster than
-Triton at B = 64, one tile's copies in flight (version 20); 64-column parts, written back over
-their U_k part, fit three stages at 128 rows and four at 64 (`sampling_stages`, version 21), but
-one warpgroup's epilogue (round, integer keys, two row reductions, a divide and an exp per
-element) set the pace: 50 µs per step at B = 64, 107 at B = 128. From 128 rows two warpgroups
-split the rows (`sampling_partials`' `consumers`); written as one copy of the code per
-warpgroup, the kernel's code was so large that the warps spent half their stalled cycles waiting
-for instructions (Nsight Compute: 81 µs per step at B = 128); one copy for both, the consumer's
-index a traced value, took 53 µs, against 56-58 µs for the Triton kernel, and keeping the first
-part's logits in registers for the exp sum (``reread=False``, now the default) 3 µs less
-(version 32). Then fewer instructions per element (version 33: the float first-max and the log-mass
-in base 2; 42 µs per step under Nsight Compute, 188 registers), odd steps walking backwards (34)
-and, with a vanilla head, the token choice writing the next step's ``W1[x]`` (35); then the
-greedy rows' first argmax left to the token choice, which reads the chosen tile anyway (36:
--4 to -5 %), and a tile's two products started together with one warpgroup (36). Tests run
-both kernels in Mosaic GPU's CPU interpreter, where their tokens and logits equal the loop form's
-bit for bit (the two-warpgroup form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the
-greedy kernel.
+B = 128 and 258.8 against 274.5 at B = 64 (V = 129280); 398.9 against 500.9 and 301.2 against 317.9
+(V = 151936); session 12's (version 36): 338.3 and 248.9 µs, 378.0 and 281.9 µs. The sampling
+kernel's road: whole 128-column tiles per stage were no faster than Triton at B = 64, one tile's
+copies in flight (version 20); 64-column parts, written back over their U_k part, fit three stages
+at 128 rows and four at 64 (`sampling_stages`, version 21), but one warpgroup's epilogue (round,
+integer keys, two row reductions, a divide and an exp per element) set the pace: 50 µs per step at
+B = 64, 107 at B = 128. From 128 rows two warpgroups split the rows (`sampling_partials`'
+`consumers`); written as one copy of the code per warpgroup, the kernel's code was so large that the
+warps spent half their stalled cycles waiting for instructions (Nsight Compute: 81 µs per step at
+B = 128); one copy for both, the consumer's index a traced value, took 53 µs, against 56-58 µs for
+the Triton kernel, and keeping the first part's logits in registers for the exp sum
+(``reread=False``, now the default) 3 µs less (version 32). Then fewer instructions per element
+(version 33: the float first-max and the log-mass in base 2; 42 µs per step under Nsight Compute,
+188 registers), odd steps walking backwards (34) and, with a vanilla head, the token choice writing
+the next step's ``W1[x]`` (35); then the greedy rows' first argmax left to the token choice, which
+reads the chosen tile anyway (36: -4 to -5 %), and a tile's two products started together with one
+warpgroup (36). Tests run both kernels in Mosaic GPU's CPU interpreter, where their tokens and
+logits equal the loop form's bit for bit (the two-warpgroup form only when asked for:
+`sampling_partials`). `scripts/hopper_probe.py` times the greedy kernel.
 """
 
 from __future__ import annotations
@@ -315,15 +314,15 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   back over its U_k part in shared memory and stored from there by TMA; an instance keeps its
   tiles' pairs in shared memory and stores them once at its end.
 
-  One consumer warpgroup (`consumers` = 1) does all of an instance's work, one part after the
-  other: at part n it waits for the previous part's store to have read its slot, refills that slot
-  with part n + stages - 1 (W2 and U_k on one barrier) and waits for part n (with `overlap` it
-  starts a tile's products together, so that the second runs during the first's epilogue). Two (`consumers` = 2,
-  B a multiple of 128) split the rows, 64 each, over shared W2 parts: a W2 slot is refilled once
-  both have multiplied with it; each consumer has its own U_k slots, refilled after the part's
-  store and the tile's statistics are done with them (the store just issued is not waited for),
-  and its own stores. The epilogue (rounding, integer keys, exp) runs on 128 threads per consumer,
-  so the second halves its per-thread work at B = 128.
+  One consumer warpgroup (`consumers` = 1) does all of an instance's work, one part after the other:
+  at part n it waits for the previous part's store to have read its slot, refills that slot with
+  part n + stages - 1 (W2 and U_k on one barrier) and waits for part n (with `overlap` it starts a
+  tile's products together, so that the second runs during the first's epilogue). Two (`consumers` =
+  2, B a multiple of 128) split the rows, 64 each, over shared W2 parts: a W2 slot is refilled once
+  both have multiplied with it; each consumer has its own U_k slots, refilled after the part's store
+  and the tile's statistics are done with them (the store just issued is not waited for), and its
+  own stores. The epilogue (rounding, integer keys, exp) runs on 128 threads per consumer, so the
+  second halves its per-thread work at B = 128.
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
@@ -549,7 +548,8 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
             def _():
               fetch(n + stages)  # into part n's slot
         return xs
-      return pl.run_scoped(lambda *accs: run(accs), *[plgpu.ACC((rows, PART), jnp.float32)] * parts)
+      return pl.run_scoped(lambda *accs: run(accs),
+                           *[plgpu.ACC((rows, PART), jnp.float32)] * parts)
 
     def tile_pair(i, temp, greedy_rows):
       xs = tile_logits(i)
