@@ -119,12 +119,20 @@ def _next_slot(i, stages, per_program, fetch, in_barriers):
   return slot
 
 
+def _rounded_sum(acc_ref, u_tile, dtype, interpret, later_products=0):
+  """The accumulator's ``v @ W2`` plus the tile's U_k in shared memory, rounded to `dtype`:
+  [B, tile] registers, once the product is done (`later_products` started after it may still
+  run)."""
+  acc = (acc_ref[...] if interpret else
+         plgpu.wgmma_accumulator_load(acc_ref, wait_n=later_products))
+  u = u_tile[...] if interpret else plgpu.load(u_tile, (), layout=plgpu.Layout.WGMMA)
+  return (acc + u.astype(jnp.float32)).astype(dtype)
+
+
 def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
   """``v @ W2 + U`` for one tile on the tensor cores, rounded to `dtype`: [B, tile] registers."""
   plgpu.wgmma(acc_ref, v_smem, w2_tile)
-  plgpu.wgmma_wait(0)
-  u = u_tile[...] if interpret else plgpu.load(u_tile, (), layout=plgpu.Layout.WGMMA)
-  return (acc_ref[...] + u.astype(jnp.float32)).astype(dtype)
+  return _rounded_sum(acc_ref, u_tile, dtype, interpret)
 
 
 def _row_max(x, interpret):
@@ -463,8 +471,8 @@ def _first_of_parts(pairs):
 
 def _tile_pair(pairs, xs, col0, temp, greedy_rows):
   """A tile's (key, token) per row from its parts' pairs and float32 logits (`xs()`): a greedy
-  row's (max, first argmax), a sampled row's (log-mass, first column); a greedy row's token is
-  the first column too when the pairs have no columns (`_part_pair`)."""
+  row's (max, first argmax), a sampled row's (log-mass, first column); (key, None) when the
+  pairs have no columns (`_part_pair`: every row's token is then the tile's first column)."""
   best, first = _first_of_parts(pairs)
   tile_max = fused_step.key_value(best)
   greedy_row = greedy_rows != 0
@@ -519,11 +527,8 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
     def finish_part(n, acc_ref, later_products):
       """Part n's corrected logits, [B, PART] float32, once its product is done (`later_products`
       started after it may still run); they are written over the U_k part and stored."""
-      acc = (acc_ref[...] if interpret else
-             plgpu.wgmma_accumulator_load(acc_ref, wait_n=later_products))
       u_part = u_smem.at[0, lax.rem(n, stages)]
-      logits = (acc + (u_part[...] if interpret else plgpu.load(
-          u_part, (), layout=plgpu.Layout.WGMMA)).astype(jnp.float32)).astype(base_gmem.dtype)
+      logits = _rounded_sum(acc_ref, u_part, base_gmem.dtype, interpret, later_products)
       u_part[...] = logits  # over the U_k part, which is in registers now
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[:, step, columns(n)])
@@ -628,7 +633,7 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
       (`later_products` products started after it may still run); the logits are written over
       the U_k part and their store issued."""
       slot = lax.rem(n, stages)
-      acc = (acc_ref[...] if interpret else
+      acc = (acc_ref[...] if interpret else  # the product is done: its W2 slot is free
              plgpu.wgmma_accumulator_load(acc_ref, wait_n=later_products))
       plgpu.barrier_arrive(w2_free.at[slot])
 
