@@ -150,11 +150,12 @@ def _draft_forward(target, draft, state):
   return draft(target, state["anchor"], state["anchor_pos"], state["context"])
 
 
-def _draft_inputs(draft, hidden):
-  """Head weights and the hidden states the heads read (None when no head reads them)."""
+def _draft_inputs(draft, hidden, head=None):
+  """Head weights (`head`: prepared ones) and the hidden states the heads read (None when no head
+  reads them)."""
   conf = None if draft.confidence is None else draft.confidence.arrays()
   needs_hidden = draft.head.needs_hidden or conf is not None
-  return draft.head.arrays(), conf, hidden if needs_hidden else None
+  return draft.head.arrays() if head is None else head, conf, hidden if needs_hidden else None
 
 
 def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
@@ -193,9 +194,9 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
 
 
 def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only,
-                       store_logits=True):
+                       store_logits=True, head=None):
   base, hidden = _draft_forward(target, draft, state)
-  head, conf, hidden = _draft_inputs(draft, hidden)
+  head, conf, hidden = _draft_inputs(draft, hidden, head)
   tokens, corrected, _ = proposal.folded_block(
       head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"], rows["seeds"],
       state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only,
@@ -228,9 +229,13 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
   if path == PATH_AUTOREGRESSIVE:
     step = functools.partial(_autoregressive_step, target)
   else:
+    # Where the draft's Hopper kernels may run they read W2 part by part: prepared once here,
+    # outside the rounds' loop.
+    head = (proposal.prepare_head_arrays(draft.head.arrays())
+            if proposal.reads_w2_parts(prompt.shape[0], draft.head.w2.shape[1]) else None)
     step = functools.partial(_speculative_round, target, draft,
                              greedy_only=path == proposal.PATH_FOLDED_GREEDY,
-                             store_logits=store_logits)
+                             store_logits=store_logits, head=head)
   limit = out_len  # every iteration commits at least one token per active row
   state = jax.lax.while_loop(
       lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit),

@@ -108,6 +108,14 @@ class DraftSampler:
     return next(b for b in self.buckets if b >= batch)
 
   # ---- compilation ---------------------------------------------------------------------------------
+  def _head_arrays(self) -> dict:
+    """The head's arrays as the programs take them: prepared (`proposal.prepare_head_arrays`: W2
+    part by part) where this sampler's larger buckets may run the Hopper kernels."""
+    arrays = self.head.arrays()
+    if proposal.reads_w2_parts(self.max_batch_size, self.vocab_size):
+      arrays = proposal.prepare_head_arrays(arrays)
+    return arrays
+
   def _abstract_inputs(self, bucket: int, hidden_dtype=None):
     def spec(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype)
@@ -115,7 +123,7 @@ class DraftSampler:
     if self.uses_hidden:
       hidden = spec((bucket, self.gamma, self.hidden_size), hidden_dtype or self.logits_dtype)
     return (
-        jax.tree.map(lambda a: spec(a.shape, a.dtype), self.head.arrays()),
+        jax.tree.map(lambda a: spec(a.shape, a.dtype), jax.eval_shape(self._head_arrays)),
         None if self.confidence_head is None
         else jax.tree.map(lambda a: spec(a.shape, a.dtype), self.confidence_head.arrays()),
         spec((bucket, self.gamma, self.vocab_size), self.logits_dtype),
@@ -185,7 +193,7 @@ class DraftSampler:
     if not _is_typed_key(key):
       key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
     if self._weights is None:
-      self._weights = (self.head.arrays(),
+      self._weights = (self._head_arrays(),
                        None if self.confidence_head is None else self.confidence_head.arrays())
     args = (*self._weights, _pad_rows(base_logits, bucket), rows["anchor"],
             _pad_rows(hidden, bucket), rows["greedy"], rows["temperature"], rows["seeds"],

@@ -215,7 +215,8 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64.
-    w2: [r, V] the head's second matrix. base_logits: [B, γ, V] (slice `step` is read).
+    w2: [r, V] the head's second matrix, or with 64-column tiles [V / 64, r, 64] (`w2_parts`).
+      base_logits: [B, γ, V] (slice `step` is read).
     step: static block position. tile: static vocabulary columns per tile (divides V).
     programs: static grid size (None: the device's multiprocessor count; 4 when interpreting).
     stages: static tiles whose TMA copies are in flight at once (shared memory per instance:
@@ -230,6 +231,7 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
   """
   rows, rank = v.shape
   tiles, programs, per_program = _grid(v, base_logits, tile, stages, programs, interpret)
+  _check_w2(w2, rank, base_logits.shape[2], tile)
   v = v.astype(w2.dtype)
 
   def kernel(v_gmem, w2_gmem, base_gmem, max_gmem, arg_gmem,
@@ -239,7 +241,8 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
 
     def fetch(i):
       slot, cols = lax.rem(i, stages), pl.ds(tile_of(i) * tile, tile)
-      plgpu.copy_gmem_to_smem(w2_gmem.at[:, cols], w2_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(_w2_part(w2_gmem, tile_of(i) * tile, tile), w2_smem.at[slot],
+                              in_barriers.at[slot])
       plgpu.copy_gmem_to_smem(base_gmem.at[:, step, cols], u_smem.at[slot], in_barriers.at[slot])
 
     def tile_best(i):
@@ -335,7 +338,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
       (`sampling_stages`: up to 128 rows at r = 256).
-    w2: [r, V]. base_logits: [B, γ, V] (slice `step` is read).
+    w2: [r, V], or part by part [V / 64, r, 64] (`w2_parts`, faster).
+      base_logits: [B, γ, V] (slice `step` is read).
     corrected: a ``jax.Ref`` [B, γ, V] of the logits' dtype in GPU global memory
       (`new_corrected`); slice `step` is written in place.
     temperature: [B] float32 (clamped). greedy: [B] int32, nonzero for greedy rows.
@@ -366,6 +370,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   rows, rank = v.shape
   vocab = base_logits.shape[2]
   tile = sampling.vocab_tile(vocab)
+  _check_w2(w2, rank, vocab, PART)
   if tile < PART:
     raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= {PART}")
   itemsize = jnp.dtype(w2.dtype).itemsize
@@ -437,6 +442,35 @@ def _sampling_scratch(rows, rank, stages, per_program, consumers, w2_dtype, logi
   ]
 
 
+def w2_parts(w2):
+  """W2 [r, V] stored part by part: [V / 64, r, 64], each 64-column part (`PART`) one contiguous
+  32 KB block at r = 256 where [r, V] spreads it over r rows 2·V bytes apart. Both kernels take
+  either form; from parts the copies read DRAM in long runs, 1-3 % faster per step on an H200
+  (BENCHMARKS.md, issue 6, version 37). `proposal.prepare_head_arrays` adds it to a head's arrays."""
+  rank, vocab = w2.shape
+  if vocab % PART:
+    raise ValueError(f"w2: V = {vocab} is not a multiple of {PART}")
+  return w2.reshape(rank, vocab // PART, PART).transpose(1, 0, 2)
+
+
+def _check_w2(w2, rank, vocab, width):
+  """W2 as a kernel whose copies take `width` columns takes it: [r, V], or part by part
+  (`w2_parts`) where `width` is `PART`."""
+  parts = (vocab // PART, rank, PART)
+  if w2.shape == (rank, vocab) or (w2.shape == parts and width == PART):
+    return
+  also = f" or {list(parts)} (`w2_parts`)" if width == PART else f" ({width}-column copies)"
+  raise ValueError(f"w2: expected [{rank}, {vocab}]{also}, got {list(w2.shape)}")
+
+
+def _w2_part(w2_gmem, column0, width=PART):
+  """W2's columns `column0` .. `column0` + `width` as [r, width]: a slice of [r, V], or with W2
+  part by part (`w2_parts`; `width` = `PART`) one block."""
+  if len(w2_gmem.shape) == 3:
+    return w2_gmem.at[column0 // PART]
+  return w2_gmem.at[:, pl.ds(column0, width)]
+
+
 def _load_rows(ref, row_layout, interpret):
   """A [rows] vector in the layout of a row reduction of the accumulator."""
   return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
@@ -503,12 +537,14 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
              v_barrier, in_barriers):
     program = lax.axis_index("program")
     tile_of = _tile_walk(program, programs, tiles, reverse)
-    columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
+    start = lambda n: tile_of(n // parts) * tile + lax.rem(n, parts) * PART
+    columns = lambda n: pl.ds(start(n), PART)
 
     def fetch(n):  # part n of the instance's parts, into slot n % stages
       slot = lax.rem(n, stages)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's logits are stored from it
-      plgpu.copy_gmem_to_smem(w2_gmem.at[:, columns(n)], w2_smem.at[slot], in_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(_w2_part(w2_gmem, start(n)), w2_smem.at[slot],
+                              in_barriers.at[slot])
       plgpu.copy_gmem_to_smem(base_gmem.at[:, step, columns(n)], u_smem.at[0, slot],
                               in_barriers.at[slot])
 
@@ -600,11 +636,13 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
     c = lax.axis_index("consumer")
     mine = pl.ds(c * share, share)  # the consumer's rows of the global arrays
     tile_of = _tile_walk(program, programs, tiles, reverse)
-    columns = lambda n: pl.ds(tile_of(n // parts) * tile + lax.rem(n, parts) * PART, PART)
+    start = lambda n: tile_of(n // parts) * tile + lax.rem(n, parts) * PART
+    columns = lambda n: pl.ds(start(n), PART)
 
     def fetch_w2(n):  # part n's W2 columns, into slot n % stages
       slot = lax.rem(n, stages)
-      plgpu.copy_gmem_to_smem(w2_gmem.at[:, columns(n)], w2_smem.at[slot], w2_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(_w2_part(w2_gmem, start(n)), w2_smem.at[slot],
+                              w2_barriers.at[slot])
 
     def fetch_u(n):  # the consumer's rows of part n's U_k
       slot = lax.rem(n, stages)

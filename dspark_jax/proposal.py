@@ -72,6 +72,32 @@ left in L2: 2 % faster for sampling and 1 % for greedy-only at 128 rows on an H2
 issue 6, version 34)."""
 
 
+def is_hopper(device: jax.Device | None = None) -> bool:
+  """Whether `device` (default: the first) is a GPU of compute capability 9 (TMA and WGMMA)."""
+  device = device or jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def prepare_head_arrays(head_params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """A head's arrays plus ``"w2_parts"``, W2 stored part by part (`hopper_step.w2_parts`), which
+  `folded_block`'s Hopper kernels then read instead of W2: 1-3 % faster per step on an H200
+  (BENCHMARKS.md, issue 6, version 37), for a second copy of W2 in memory. Prepare once, outside
+  the decoding loop (`decoding.generate` does on a Hopper GPU); other paths ignore the entry. A
+  new dict: `head_params` is not changed."""
+  w2 = head_params["w2"]
+  if w2.ndim != 2:
+    raise ValueError(f"head_params: w2 must be [r, V], got shape {list(w2.shape)}")
+  return dict(head_params, w2_parts=hopper_step.w2_parts(w2))
+
+
+def reads_w2_parts(batch: int, vocab: int, device: jax.Device | None = None) -> bool:
+  """Whether blocks of `batch` rows may run a Hopper kernel that reads prepared W2 parts
+  (`prepare_head_arrays`): a Hopper GPU, from `HOPPER_SAMPLING_FROM_BATCH` rows (the fewest any
+  of them takes), V a multiple of the parts' 64 columns. `decoding.generate` prepares then."""
+  return (is_hopper(device) and batch >= HOPPER_SAMPLING_FROM_BATCH
+          and vocab % hopper_step.PART == 0)
+
+
 def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
                       device: jax.Device | None = None, *, greedy_only: bool = True,
                       rank: int | None = None) -> bool:
@@ -85,8 +111,7 @@ def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
   pipeline stages (`hopper_step.sampling_stages`).
   """
   device = device or jax.devices()[0]
-  hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-  common = (hopper and jnp.dtype(w2_dtype) == jnp.bfloat16
+  common = (is_hopper(device) and jnp.dtype(w2_dtype) == jnp.bfloat16
             and jnp.dtype(logits_dtype) == jnp.bfloat16)
   if greedy_only:
     return (common and batch >= HOPPER_FROM_BATCH and batch % hopper_step.ROW_BLOCK == 0
@@ -412,6 +437,12 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   rank = head_params["w1"].shape[1]
   hopper_vectors = (hopper and not greedy_only and options.pop("vectors", True)
                     and kind == "vanilla" and rank & (rank - 1) == 0)
+  # W2 part by part where the head's arrays have it (`prepare_head_arrays`) and the kernel's
+  # copies are parts: the greedy kernel's only with its default 64-column tiles.
+  w2_kernel = head_params["w2"]
+  if ("w2_parts" in head_params
+      and (not greedy_only or options.get("tile", hopper_step.PART) == hopper_step.PART)):
+    w2_kernel = head_params["w2_parts"]
   if hopper and not greedy_only:  # the corrected logits written in place
     corrected_ref = hopper_step.new_corrected(base_logits.shape, base_logits.dtype)
     # The token choice finds a greedy row's first argmax in its chosen tile (version 36).
@@ -427,11 +458,11 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
       reverse = hopper_serpentine and k % 2 == 1
       if greedy_only:
         prev = hopper_step.tokens(*hopper_step.greedy_partials(
-            v, head_params["w2"], base_logits, step=k, reverse=reverse, interpret=interpret,
+            v, w2_kernel, base_logits, step=k, reverse=reverse, interpret=interpret,
             **options))
       else:  # the tiles' pairs, tile-major; the token choice draws
         tile_key, tile_token = hopper_step.sampling_partials(
-            v, head_params["w2"], base_logits, corrected_ref, temperature, greedy_rows,
+            v, w2_kernel, base_logits, corrected_ref, temperature, greedy_rows,
             step=k, reverse=reverse, argmax=hopper_argmax, interpret=interpret, **options)
         w1 = head_params["w1"] if hopper_vectors and k + 1 < gamma else None
         prev, block, *next_vectors = token_kernels.draw_tokens(

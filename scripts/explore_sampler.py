@@ -227,18 +227,22 @@ def main(argv=None):
       mixed = sp.SamplingParams(temperature=temperature)
       r = proposal.block_arrays(mixed, np.arange(batch) % vocab, np.full(batch, 1000))
       # On the device before timing: a numpy argument is copied to the GPU on every call, and
-      # those copies, not the GPU, then set the pace of back-to-back calls.
-      call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
-                                  r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
+      # those copies, not the GPU, then set the pace of back-to-back calls. The head's arrays
+      # prepared as `DraftSampler` and `generate` prepare them (``("w2_parts", 0)``: not).
+      call_args = bench_sampler.folded_args(head, base, np.arange(batch) % vocab, mixed,
+                                            np.full(batch, 1000), jax.random.key(0))
+      plain_args = (jax.device_put(head.arrays()), *call_args[1:])
       floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / floor_bw
       row = {"V": vocab, "B": batch, "floor": floor}
       reference = None
       for name, form, options, greedy_only in variants:
+        run_args = call_args if dict(options).get("w2_parts", True) else plain_args
+        options = tuple(o for o in options if o[0] != "w2_parts")
         try:
           compiled = proposal.folded_block.lower(
-              *call_args, kind="vanilla", greedy_only=greedy_only, form=form,
+              *run_args, kind="vanilla", greedy_only=greedy_only, form=form,
               pallas_options=options).compile()
-          out = jax.block_until_ready(compiled(*call_args))
+          out = jax.block_until_ready(compiled(*run_args))
           if not greedy_only:
             if reference is None:
               reference = out
@@ -247,12 +251,12 @@ def main(argv=None):
               row[f"{name} corrected equal"] = float(np.mean(same))
               row[f"{name} tokens equal"] = float(np.mean(np.asarray(out[0])
                                                           == np.asarray(reference[0])))
-          row[name] = b2b_seconds(compiled, call_args, repeats=args.repeats)
+          row[name] = b2b_seconds(compiled, run_args, repeats=args.repeats)
           if args.in_program:
             chain = chained_program(args.in_program, greedy_only=greedy_only, form=form,
-                                    pallas_options=options).lower(*call_args).compile()
+                                    pallas_options=options).lower(*run_args).compile()
             bursts = max(1, CALLS // args.in_program)  # about CALLS sampler calls per burst
-            row[f"{name} in-program"] = b2b_seconds(chain, call_args, repeats=args.repeats,
+            row[f"{name} in-program"] = b2b_seconds(chain, run_args, repeats=args.repeats,
                                                     calls=bursts) / args.in_program
         except Exception as error:  # an experiment: report and go on
           row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:300]}"

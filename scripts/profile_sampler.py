@@ -52,7 +52,10 @@ def run(args):
   temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
   r = proposal.block_arrays(sp.SamplingParams(temperature=temperature), np.arange(batch) % vocab,
                             np.full(batch, 1000))
-  call_args = (head.arrays(), None, base, r["anchor"], None, r["greedy"], r["temperature"],
+  arrays = head.arrays()  # prepared as `generate` prepares them
+  if proposal.reads_w2_parts(batch, vocab):
+    arrays = proposal.prepare_head_arrays(arrays)
+  call_args = (arrays, None, base, r["anchor"], None, r["greedy"], r["temperature"],
                r["seeds"], r["positions"], jax.random.key(0))
   options = tuple((name, int(value)) for name, value in
                   (pair.split("=") for pair in args.options.split(",") if pair))

@@ -101,10 +101,9 @@ def main(argv=None):
   batch, gamma = args.batch, args.gamma
   base = (3.0 * jax.random.normal(jax.random.key(1), (batch, gamma, args.vocab))).astype(jnp.bfloat16)
   temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
-  r = proposal.block_arrays(sp.SamplingParams(temperature=temperature), np.arange(batch),
-                            np.full(batch, 1000))
-  call_args = jax.device_put((head.arrays(), None, base, r["anchor"], None, r["greedy"],
-                              r["temperature"], r["seeds"], r["positions"], jax.random.key(0)))
+  call_args = explore_sampler.bench_sampler.folded_args(  # the head's arrays as generate has them
+      head, base, np.arange(batch), sp.SamplingParams(temperature=temperature),
+      np.full(batch, 1000), jax.random.key(0))
   options = dict(greedy_only=args.greedy_only, form=args.form.split("-")[0],
                  pallas_options=explore_sampler.PALLAS_VARIANTS.get(args.form, ()),
                  store_logits=not args.compact)

@@ -147,6 +147,33 @@ def test_speculative_sampling_law_equals_the_target_law():
   assert 0.05 < result.acceptance[0] < 0.95
 
 
+def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
+  # On a Hopper GPU (from 64 rows, V a multiple of 64) `generate` prepares the head's arrays once,
+  # outside the rounds' loop (`proposal.prepare_head_arrays`: W2 part by part for the Hopper
+  # kernels). Posing as one here (5 rows qualify, V = 64): the arrays are prepared once per trace
+  # and the tokens do not change (on the CPU no kernel reads the parts).
+  from dspark_jax import proposal
+  target = make_target(vocab=64)
+  draft = make_draft(target, 4, "vanilla")
+  params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])
+  run = lambda: dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=10)
+  plain = run()
+  prepared = []
+  monkeypatch.setattr(proposal, "is_hopper", lambda device=None: True)
+  monkeypatch.setattr(proposal, "HOPPER_SAMPLING_FROM_BATCH", 1)
+  monkeypatch.setattr(proposal, "prepare_head_arrays",
+                      lambda arrays, prepare=proposal.prepare_head_arrays:
+                      prepared.append(1) or prepare(arrays))
+  monkeypatch.setattr(decoding, "_COMPILED", {})  # compile again, under the patches (and drop it)
+  jax.clear_caches()  # ... tracing again too
+  try:
+    posed = run()
+  finally:
+    jax.clear_caches()  # no later trace may come from the patched one
+  assert prepared == [1] and posed.path == plain.path == "folded-sampling"
+  np.testing.assert_array_equal(plain.tokens, posed.tokens)
+
+
 def test_eager_fallback_equals_folded_sampling(target):
   draft = make_draft(target, 4, "rnn")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])

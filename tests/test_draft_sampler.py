@@ -222,3 +222,26 @@ def test_auto_form_policy():
   assert choose(True, 129280, "gpu") == "pallas" and choose(False, 151936, "gpu") == "pallas"
   assert choose(False, 95, "gpu") == "loop"  # no 16-column tile divides V
   assert choose(True, 95, "gpu") == "unrolled"
+
+
+def test_prepared_head_arrays_on_a_hopper_gpu(monkeypatch):
+  # Where its buckets may run a Hopper kernel (`proposal.reads_w2_parts`), the sampler compiles
+  # and calls its programs with the head's arrays prepared (W2 part by part as well). Posing as
+  # such a GPU here (V = 128): the arrays are prepared and the blocks do not change (on the CPU no
+  # kernel reads the parts).
+  head = helpers.make_head("vanilla", 128, RANK, HIDDEN)
+  rng = np.random.default_rng(3)
+  inputs = dict(base_logits=jnp.asarray(rng.normal(size=(5, GAMMA, 128)), jnp.float32),
+                anchor=jnp.arange(5, dtype=jnp.int32), hidden=None,
+                params=dj.SamplingParams(temperature=[0.0, 0.9, 1.0, 0.0, 1.3], seed=np.arange(5)),
+                key=jax.random.key(5), positions=jnp.arange(5, dtype=jnp.int32) * 3)
+  build = lambda: dj.build_draft_sampler(head, max_batch_size=8, vocab_size=128, gamma=GAMMA,
+                                         logits_dtype=jnp.float32, memory_stats=BIG)
+  plain = build().propose(**inputs)
+  monkeypatch.setattr(proposal, "reads_w2_parts", lambda batch, vocab, device=None: True)
+  sampler = build()
+  posed = sampler.propose(**inputs)
+  assert set(sampler._weights[0]) == {"w1", "w2", "w2_parts"}
+  np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(posed.tokens))
+  np.testing.assert_array_equal(np.asarray(plain.corrected_logits),
+                                np.asarray(posed.corrected_logits))

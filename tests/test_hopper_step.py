@@ -65,6 +65,26 @@ def test_rejects_shapes_it_cannot_run():
     hopper_step.greedy_partials(v, w2, base, step=0, tile=96, interpret=CPU)
 
 
+def test_w2_parts_are_w2_part_by_part_and_kernels_check_w2():
+  # `prepare_head_arrays` adds W2 as [V/64, r, 64] (part p: columns 64p .. 64p + 63) to a new
+  # dict; a kernel refuses a W2 of any other shape, naming it, and the greedy kernel refuses
+  # parts when its tiles are not 64 columns wide.
+  v, w2, base = _inputs(64, 64, 640)
+  arrays = {"w1": jnp.zeros((640, 64), jnp.bfloat16), "w2": w2}
+  prepared = proposal.prepare_head_arrays(arrays)
+  assert set(arrays) == {"w1", "w2"} and prepared["w2"] is w2
+  parts = np.asarray(prepared["w2_parts"], np.float32)
+  assert parts.shape == (10, 64, 64)
+  np.testing.assert_array_equal(parts[3, :, 5], np.asarray(w2[:, 3 * 64 + 5], np.float32))
+  with pytest.raises(ValueError, match=r"^w2: expected \[64, 640\] \(128-column copies\)"):
+    hopper_step.greedy_partials(v, parts, base, step=0, tile=128, interpret=CPU)
+  with pytest.raises(ValueError, match=r"^w2: expected \[64, 640\] or \[10, 64, 64\]"):
+    hopper_step.sampling_partials(v, w2[:, :512], base, None, jnp.ones(64), jnp.zeros(64),
+                                  step=0, interpret=CPU)
+  with pytest.raises(ValueError, match="^w2: V = 600"):
+    hopper_step.w2_parts(w2[:, :600])
+
+
 def test_lowers_for_cuda_at_the_benchmark_shape():
   # B = 128, r = 256, V = 129280, bf16: the kernel must trace and lower for a GPU (no GPU needed).
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
@@ -75,13 +95,14 @@ def test_lowers_for_cuda_at_the_benchmark_shape():
   assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated"])
-def test_hopper_form_equals_the_loop(kind):
+@pytest.mark.parametrize("kind,prepared", [("vanilla", False), ("gated", True)])
+def test_hopper_form_equals_the_loop(kind, prepared):
   # Greedy-only blocks through `proposal.folded_block(pallas_options=hopper)`, B = 64, V = 640:
   # tokens and confidence equal the loop form's bit for bit in the interpreter (on a GPU the two
   # sum v @ W2 in different orders: the edge rows must agree, the rest nearly all), with rows of
   # NaN, -inf and an exact tie across tiles (the kernel's integer keys). The gated head's block
-  # walks step 1's tiles backwards (``serpentine``).
+  # walks step 1's tiles backwards (``serpentine``) and reads W2 part by part
+  # (`proposal.prepare_head_arrays`).
   batch, gamma, vocab, rank, hidden = 64, 2, 640, 64, 6
   head = helpers.make_head(kind, vocab, rank, hidden)
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
@@ -95,6 +116,8 @@ def test_hopper_form_equals_the_loop(kind):
   arrays = dict(head.arrays(), w2=w2.at[:, 630].set(w2[:, 70]))  # ... with the same bias
   if not CPU:  # the kernel's tensor cores take 16-bit operands
     arrays = {name: a.astype(jnp.bfloat16) for name, a in arrays.items()}
+  if prepared:
+    arrays = proposal.prepare_head_arrays(arrays)
   h = jnp.asarray(rng.normal(0, 1, (batch, gamma, hidden)), jnp.float32)
   rows = proposal.block_arrays(dj.SamplingParams(temperature=np.zeros(batch)), np.arange(batch),
                                np.arange(batch) * 3)
@@ -119,9 +142,10 @@ def _head_arrays(kind, vocab, rank, hidden, seed=0, scale=1.0, dtype=jnp.bfloat1
 
 
 ARGMAX = (("argmax", True),)  # the kernel, not the token choice, finds greedy rows' first argmax
+PARTS = "parts"  # the head's arrays prepared: the kernel reads W2 part by part
 
 
-@pytest.mark.parametrize("kind,batch,settings", [("vanilla", 64, ()), ("gated", 64, ()),
+@pytest.mark.parametrize("kind,batch,settings", [("vanilla", 64, ()), ("gated", 64, PARTS),
                                                  ("vanilla", 128, ()), ("vanilla", 64, ARGMAX),
                                                  ("gated", 128, ARGMAX)])
 def test_hopper_sampling_equals_the_loop(kind, batch, settings):
@@ -134,10 +158,13 @@ def test_hopper_sampling_equals_the_loop(kind, batch, settings):
   # (bf16 head) the tensor cores sum v @ W2 in their own order (corrected logits to bf16 rounding,
   # tokens nearly all). The gated head's block walks step 1's tiles backwards (``serpentine``).
   # By default the kernel leaves greedy rows' first argmax to the token choice, which finds it in
-  # the chosen tile; `ARGMAX`: the kernel finds it.
+  # the chosen tile; `ARGMAX`: the kernel finds it. `PARTS`: W2 part by part
+  # (`proposal.prepare_head_arrays`).
   gamma, vocab, rank, hidden = 2, 1280, 64, 6
   arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
+  if settings == PARTS:
+    arrays, settings = proposal.prepare_head_arrays(arrays), ()
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
   base = helpers.edge_rows(batch, gamma, vocab, nan_at=1100, tie_at=(70, 1250), seed=8,
                           tie_value=60.0)
@@ -334,12 +361,14 @@ def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
 @pytest.mark.parametrize("batch,reverse,settings", [
     (64, False, {}), (128, False, {}), (128, True, {}),
     (64, False, {"overlap": False, "argmax": False}),
-    (128, True, {"overlap": True, "argmax": False})])
+    (128, True, {"overlap": True, "argmax": False}), (128, True, {"parts": True})])
 def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse, settings):
   # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place; `reverse`:
-  # an odd step of a serpentine block.
+  # an odd step of a serpentine block; `parts`: W2 part by part (`hopper_step.w2_parts`).
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   rank, vocab, gamma = 256, 129280, 7
+  settings = dict(settings)
+  w2_shape = (vocab // 64, rank, 64) if settings.pop("parts", False) else (rank, vocab)
 
   def step(v, w2, base, temperature, greedy):
     corrected = hopper_step.new_corrected(base.shape, base.dtype)
@@ -347,7 +376,7 @@ def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse, 
                                           programs=132, reverse=reverse, **settings)
     return pairs, jax.freeze(corrected)
   lowered = jax.jit(step).trace(
-      spec((batch, rank), jnp.bfloat16), spec((rank, vocab), jnp.bfloat16),
+      spec((batch, rank), jnp.bfloat16), spec(w2_shape, jnp.bfloat16),
       spec((batch, gamma, vocab), jnp.bfloat16), spec((batch,), jnp.float32),
       spec((batch,), jnp.int32)).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
