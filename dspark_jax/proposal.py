@@ -80,7 +80,7 @@ def is_hopper(device: jax.Device | None = None) -> bool:
 
 def prepare_head_arrays(head_params: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """A head's arrays plus ``"w2_parts"``, W2 stored part by part (`hopper_step.w2_parts`), which
-  `folded_block`'s Hopper kernels then read instead of W2: 1-3 % faster per step on an H200
+  `folded_block`'s Hopper kernels then read instead of W2: 1-4 % faster on an H200
   (BENCHMARKS.md, issue 6, version 37), for a second copy of W2 in memory. Prepare once, outside
   the decoding loop (`decoding.generate` does on a Hopper GPU); other paths ignore the entry. A
   new dict: `head_params` is not changed."""
@@ -558,7 +558,8 @@ def folded_block(head_params, conf_params, base_logits, anchor, hidden, greedy, 
   unless a confidence head needs them in XLA), ``persistent`` / ``programs`` (default off: the
   whole block in one `fused_block` kernel), and ``hopper`` (each step a `hopper_step` kernel;
   default where `hopper_by_default` says so, i.e. on a Hopper GPU from 128 rows, or 64 for
-  sampling, else off).
+  sampling, else off). `head_params` may carry ``"w2_parts"`` (`prepare_head_arrays`): the
+  Hopper kernels then read W2 part by part, the same values from longer runs of memory.
   `store_logits` (static, sampling variant): False returns a `CompactLogits` instead of the
   corrected logits, without its inputs attached (`CompactLogits.with_inputs`).
 
