@@ -1,6 +1,7 @@
 """generate(): speculative == autoregressive (greedy, token for token; sampled, in law), KV rollback,
 stop tokens, mixed prompt lengths, routing, compile guard, input checks. Tiny f32 models on the CPU."""
 
+import functools
 import itertools
 
 import jax
@@ -164,12 +165,11 @@ def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
   monkeypatch.setattr(proposal, "prepare_head_arrays",
                       lambda arrays, prepare=proposal.prepare_head_arrays:
                       prepared.append(1) or prepare(arrays))
-  monkeypatch.setattr(decoding, "_COMPILED", {})  # compile again, under the patches (and drop it)
-  jax.clear_caches()  # ... tracing again too
-  try:
-    posed = run()
-  finally:
-    jax.clear_caches()  # no later trace may come from the patched one
+  # Compiled and traced again under the patches (a new function object has no cached trace),
+  # and both dropped afterwards.
+  monkeypatch.setattr(decoding, "_COMPILED", {})
+  monkeypatch.setattr(decoding, "_decode_program", functools.partial(decoding._decode_program))
+  posed = run()
   assert prepared == [1] and posed.path == plain.path == "folded-sampling"
   np.testing.assert_array_equal(plain.tokens, posed.tokens)
 
