@@ -53,7 +53,7 @@ the Triton kernel, and keeping the first part's logits in registers for the exp 
 188 registers), odd steps walking backwards (34) and, with a vanilla head, the token choice writing
 the next step's ``W1[x]`` (35); then the greedy rows' first argmax left to the token choice, which
 reads the chosen tile anyway (36: -4 to -5 %), and a tile's two products started together with one
-warpgroup (36); then W2 part by part (37: -1 to -4 %; under Nsight Compute a third of the
+warpgroup (36); then W2 part by part (37: -1 to -5 %; under Nsight Compute a third of the
 kernel's warp time now waits for its copies to land). Tests run both kernels in Mosaic GPU's CPU
 interpreter, where their tokens and logits equal the loop form's bit for bit (the two-warpgroup
 form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the greedy
@@ -448,7 +448,7 @@ def _sampling_scratch(rows, rank, stages, per_program, consumers, w2_dtype, logi
 def w2_parts(w2):
   """W2 [r, V] stored part by part: [V / 64, r, 64], each 64-column part (`PART`) one contiguous
   32 KB block at r = 256 where [r, V] spreads it over r rows 2·V bytes apart. Both kernels take
-  either form; from parts the copies read DRAM in long runs, 1-4 % faster on an H200
+  either form; from parts the copies read DRAM in long runs, 1-5 % faster on an H200
   (BENCHMARKS.md, issue 6, version 37). `proposal.prepare_head_arrays` adds it to a head's arrays."""
   rank, vocab = w2.shape
   if vocab % PART:

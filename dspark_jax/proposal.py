@@ -80,7 +80,7 @@ def is_hopper(device: jax.Device | None = None) -> bool:
 
 def prepare_head_arrays(head_params: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """A head's arrays plus ``"w2_parts"``, W2 stored part by part (`hopper_step.w2_parts`), which
-  `folded_block`'s Hopper kernels then read instead of W2: 1-4 % faster on an H200
+  `folded_block`'s Hopper kernels then read instead of W2: 1-5 % faster on an H200
   (BENCHMARKS.md, issue 6, version 37), for a second copy of W2 in memory. Prepare once, outside
   the decoding loop (`decoding.generate` does on a Hopper GPU); other paths ignore the entry. A
   new dict: `head_params` is not changed."""
