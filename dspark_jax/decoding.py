@@ -231,8 +231,7 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
   else:
     # Where the draft's Hopper kernels may run they read W2 part by part: prepared once here,
     # outside the rounds' loop.
-    head = (proposal.prepare_head_arrays(draft.head.arrays())
-            if proposal.reads_w2_parts(prompt.shape[0], draft.head.w2.shape[1]) else None)
+    head = proposal.head_arrays_for(draft.head.arrays(), prompt.shape[0])
     step = functools.partial(_speculative_round, target, draft,
                              greedy_only=path == proposal.PATH_FOLDED_GREEDY,
                              store_logits=store_logits, head=head)

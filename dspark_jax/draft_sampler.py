@@ -111,10 +111,7 @@ class DraftSampler:
   def _head_arrays(self) -> dict:
     """The head's arrays as the programs take them: prepared (`proposal.prepare_head_arrays`: W2
     part by part) where this sampler's larger buckets may run the Hopper kernels."""
-    arrays = self.head.arrays()
-    if proposal.reads_w2_parts(self.max_batch_size, self.vocab_size):
-      arrays = proposal.prepare_head_arrays(arrays)
-    return arrays
+    return proposal.head_arrays_for(self.head.arrays(), self.max_batch_size)
 
   def _abstract_inputs(self, bucket: int, hidden_dtype=None):
     def spec(shape, dtype):

@@ -98,6 +98,15 @@ def reads_w2_parts(batch: int, vocab: int, device: jax.Device | None = None) -> 
           and vocab % hopper_step.PART == 0)
 
 
+def head_arrays_for(head_params: dict[str, jax.Array], batch: int) -> dict[str, jax.Array]:
+  """`head_params` as blocks of up to `batch` rows read them best: prepared
+  (`prepare_head_arrays`) where a Hopper kernel may read W2 part by part (`reads_w2_parts`), else
+  as they are. What `generate`, `DraftSampler` and the benchmark scripts pass to `folded_block`."""
+  if reads_w2_parts(batch, head_params["w2"].shape[1]):
+    return prepare_head_arrays(head_params)
+  return head_params
+
+
 def hopper_by_default(batch: int, vocab: int, w2_dtype, logits_dtype,
                       device: jax.Device | None = None, *, greedy_only: bool = True,
                       rank: int | None = None) -> bool:

@@ -222,9 +222,7 @@ def folded_args(head, base_logits, anchor, params, positions, key) -> tuple:
   """The arguments `DraftSampler.propose` passes to a compiled variant (vanilla, no confidence):
   the head's arrays prepared where the Hopper kernels may read them (`proposal.reads_w2_parts`)."""
   rows = proposal.block_arrays(params, anchor, positions)
-  arrays = head.arrays()
-  if proposal.reads_w2_parts(base_logits.shape[0], base_logits.shape[2]):
-    arrays = proposal.prepare_head_arrays(arrays)
+  arrays = proposal.head_arrays_for(head.arrays(), base_logits.shape[0])
   # On the device, as inside a decoding loop: numpy arguments would be copied to the GPU on every
   # call, and back-to-back calls would then time those copies rather than the program.
   return jax.device_put((arrays, None, base_logits, rows["anchor"], None, rows["greedy"],

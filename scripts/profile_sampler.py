@@ -52,9 +52,7 @@ def run(args):
   temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
   r = proposal.block_arrays(sp.SamplingParams(temperature=temperature), np.arange(batch) % vocab,
                             np.full(batch, 1000))
-  arrays = head.arrays()  # prepared as `generate` prepares them
-  if proposal.reads_w2_parts(batch, vocab):
-    arrays = proposal.prepare_head_arrays(arrays)
+  arrays = proposal.head_arrays_for(head.arrays(), batch)  # as `generate` has them
   call_args = (arrays, None, base, r["anchor"], None, r["greedy"], r["temperature"],
                r["seeds"], r["positions"], jax.random.key(0))
   options = tuple((name, int(value)) for name, value in

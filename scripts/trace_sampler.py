@@ -32,6 +32,7 @@ from dspark_jax import heads, proposal
 from dspark_jax import sampling_params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_sampler  # noqa: E402
 import explore_sampler  # noqa: E402
 
 
@@ -101,7 +102,7 @@ def main(argv=None):
   batch, gamma = args.batch, args.gamma
   base = (3.0 * jax.random.normal(jax.random.key(1), (batch, gamma, args.vocab))).astype(jnp.bfloat16)
   temperature = np.where(np.arange(batch) % 2 == 0, 0.0, 0.8) if batch > 1 else np.array([0.8])
-  call_args = explore_sampler.bench_sampler.folded_args(  # the head's arrays as generate has them
+  call_args = bench_sampler.folded_args(  # the head's arrays as generate has them
       head, base, np.arange(batch), sp.SamplingParams(temperature=temperature),
       np.full(batch, 1000), jax.random.key(0))
   options = dict(greedy_only=args.greedy_only, form=args.form.split("-")[0],
