@@ -416,3 +416,30 @@ def test_hopper_form_names_a_setting_it_does_not_take():
                           rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
                           jax.random.key(0), kind="vanilla", greedy_only=True, form="pallas",
                           pallas_options=(("hopper", True), ("num_warps", 8)))
+
+
+@pytest.mark.parametrize("form", ["keep", "io", "tiled", "choice", "split"])
+def test_resident_probe_kernels_lower_for_cuda(form):
+  # `scripts/resident_probe.py` (issue 6, version 38): one persistent kernel for all steps, with a
+  # grid-wide barrier of global semaphores, which Mosaic GPU's CPU interpreter does not run (the
+  # probe ran on an H200). Here each of its forms must still trace and lower for a GPU.
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "scripts" / "resident_probe.py"
+  spec_ = importlib.util.spec_from_file_location("resident_probe", path)
+  probe = importlib.util.module_from_spec(spec_)
+  spec_.loader.exec_module(probe)
+  rows, rank, vocab, gamma, programs = 64, 64, 1280, 2, 4
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  v, w2 = spec((rows, rank)), spec((vocab // 64, rank, 64))
+  base = {"io": spec((rows, gamma, vocab)), "tiled": spec((gamma, vocab // 64, rows, 64)),
+          "split": spec((rows, gamma, vocab))}.get(form)
+  if form == "split":
+    run = functools.partial(probe.split_steps, stages=2, programs=programs, gamma=gamma)
+  else:
+    run = functools.partial(probe.resident_steps, keep=2 if form == "keep" else 0, stages=2,
+                            programs=programs, gamma=gamma)
+    if form == "choice":
+      run = functools.partial(run, w1=jnp.zeros((vocab, rank), jnp.bfloat16))
+  lowered = jax.jit(run).trace(v, w2, base).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
