@@ -75,6 +75,7 @@ from dspark_jax import fused_step
 from dspark_jax import sampling
 
 ROW_BLOCK = 64  # rows of one WGMMA instruction
+PAD_ROWS = 8  # a smaller batch, in multiples of this, is padded to ROW_BLOCK in shared memory
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _LOG2_E = float(np.log2(np.e))  # exp(y) = 2^(y · log2(e))
 
@@ -93,13 +94,16 @@ def _swizzled(width: int, itemsize: int, interpret: bool):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grid(v, base_logits, tile, stages, programs, interpret):
-  """Checks the shapes both kernels need; returns (tiles, instances, tiles per instance)."""
+def _grid(v, base_logits, tile, stages, programs, interpret, padded_rows=False):
+  """Checks the shapes both kernels need; returns (tiles, instances, tiles per instance).
+  With `padded_rows` a batch below 64 rows in multiples of 8 is taken too (`sampling_partials`)."""
   rows = v.shape[0]
   batch, _, vocab = base_logits.shape
-  if rows != batch or rows % ROW_BLOCK:
-    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}, got "
-                     f"{v.shape}")
+  padded = padded_rows and rows < ROW_BLOCK and rows % PAD_ROWS == 0
+  if rows != batch or (rows % ROW_BLOCK and not padded):
+    also = f", or of {PAD_ROWS} below it" if padded_rows else ""
+    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}{also}, "
+                     f"got {v.shape}")
   if vocab % tile:
     raise ValueError(f"tile: {tile} does not divide V = {vocab}")
   if stages < 1:
@@ -340,7 +344,9 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
-      (`sampling_stages`: up to 128 rows at r = 256).
+      (`sampling_stages`: up to 128 rows at r = 256), or with one consumer a multiple of 8 below
+      64: the kernel then computes 64 rows and reads and writes the first B (an experiment: below
+      64 rows the Triton kernel is the default, and this form has not been timed yet).
     w2: [r, V], or part by part [V / 64, r, 64] (`w2_parts`, faster).
       base_logits: [B, γ, V] (slice `step` is read).
     corrected: a ``jax.Ref`` [B, γ, V] of the logits' dtype in GPU global memory
@@ -365,31 +371,33 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
       the chosen tile; the kernel then skips five instructions per element and stores no tokens).
 
   Returns:
-    ``(tile_key [T, B] float32, tile_token [T, B] int32)``, tile-major, T = P · (tiles per
-    instance) >= V / c: row t < V / c is tile t (with `reverse`, tile V/c - 1 - t); the rows
-    after it repeat the last tile (with `reverse`, tile 0). Without `argmax`, ``tile_token`` is
-    None.
+    ``(tile_key [T, R] float32, tile_token [T, R] int32)``, tile-major, T = P · (tiles per
+    instance) >= V / c, R = max(B, 64) (columns past B are padding, not to be read): row t < V / c
+    is tile t (with `reverse`, tile V/c - 1 - t); the rows after it repeat the last tile (with
+    `reverse`, tile 0). Without `argmax`, ``tile_token`` is None.
   """
-  rows, rank = v.shape
+  batch, rank = v.shape
   vocab = base_logits.shape[2]
   tile = sampling.vocab_tile(vocab)
   _check_w2(w2, rank, vocab, PART)
   if tile < PART:
     raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= {PART}")
   itemsize = jnp.dtype(w2.dtype).itemsize
-  tiles, programs, per_program = _grid(v, base_logits, tile, 1, programs, interpret)
+  tiles, programs, per_program = _grid(v, base_logits, tile, 1, programs, interpret,
+                                       padded_rows=True)
+  rows = max(batch, ROW_BLOCK)  # the rows the kernel computes (a smaller batch: padded)
   if stages is None:
     stages = max(sampling_stages(rows, rank, per_program, itemsize), 1)
   if stages < 1:
     raise ValueError(f"stages: expected >= 1, got {stages}")
   if consumers is None:
-    consumers = 2 if rows % (2 * ROW_BLOCK) == 0 and not interpret else 1
-  if consumers not in (1, 2) or rows % (consumers * ROW_BLOCK):
+    consumers = 2 if batch % (2 * ROW_BLOCK) == 0 and not interpret else 1
+  if consumers not in (1, 2) or (consumers == 2 and batch % (2 * ROW_BLOCK)):
     raise ValueError(f"consumers: expected 1, or 2 with B a multiple of {2 * ROW_BLOCK}, got "
-                     f"{consumers} for B = {rows}")
+                     f"{consumers} for B = {batch}")
   need = sampling_smem_bytes(rows, rank, stages, per_program, itemsize)
   if need > SMEM_BYTES:
-    raise ValueError(f"v: {rows} rows with r = {rank} and {stages} stages need {need} bytes of "
+    raise ValueError(f"v: {batch} rows with r = {rank} and {stages} stages need {need} bytes of "
                      f"shared memory, more than {SMEM_BYTES}")
   parts = tile // PART
   if consumers == 2 and stages < max(parts, 2):  # a slot is refilled after the next part's store
@@ -404,7 +412,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
                   interpret=interpret, overlap=overlap, argmax=argmax,
                   row_layout=None if interpret else plgpu.Layout.WGMMA.reduce(1))
   if consumers == 1:
-    kernel, barriers = _one_consumer(**geometry)
+    kernel, barriers = _one_consumer(batch=batch, **geometry)
   else:
     kernel, barriers = _two_consumers(reread=reread, **geometry)
   scratch = _sampling_scratch(rows, rank, stages, per_program, consumers, w2.dtype,
@@ -422,8 +430,11 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   run = pl.kernel(body, out_type=out_type,
                   mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",), **threads),
                   **({"interpret": _interpret_params()} if interpret else {}))
-  keys, tokens = run(corrected, v.astype(w2.dtype), w2, base_logits,
-                     temperature.astype(jnp.float32), greedy.astype(jnp.int32))
+  # A copy moves a multiple of 128 bytes: a smaller batch's [B] row inputs are padded to 64 rows
+  # (XLA computes the pad once for a block's steps).
+  pad = lambda x, dtype: jnp.pad(x.astype(dtype), (0, rows - batch), constant_values=1)
+  keys, tokens = run(corrected, v.astype(w2.dtype), w2, base_logits, pad(temperature, jnp.float32),
+                     pad(greedy, jnp.int32))
   return keys.reshape(-1, rows), tokens.reshape(-1, rows) if argmax else None
 
 
@@ -532,9 +543,13 @@ def _visit_tiles(per_program, tile_pair, key_stage, token_stage):
   plgpu.commit_smem()
 
 
-def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
+def _one_consumer(*, batch, rows, tile, parts, tiles, programs, per_program, stages, step, reverse,
                   interpret, row_layout, overlap, argmax):
-  """`sampling_partials`' kernel for one warpgroup, and its barriers."""
+  """`sampling_partials`' kernel for one warpgroup, and its barriers. A `batch` below the kernel's
+  `rows` (64) fills and stores only the first `batch` rows of its shared-memory buffers: the
+  others hold whatever they held, and their pairs are never read."""
+  filled = (lambda ref: ref) if batch == rows else (lambda ref: ref.at[pl.ds(0, batch)])
+
   def kernel(corrected_gmem, v_gmem, w2_gmem, base_gmem, temp_gmem, greedy_gmem, key_gmem,
              token_gmem, v_smem, temp_smem, greedy_smem, w2_smem, u_smem, key_stage, token_stage,
              v_barrier, in_barriers):
@@ -548,7 +563,7 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's logits are stored from it
       plgpu.copy_gmem_to_smem(_w2_part(w2_gmem, start(n)), w2_smem.at[slot],
                               in_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, columns(n)], u_smem.at[0, slot],
+      plgpu.copy_gmem_to_smem(base_gmem.at[:, step, columns(n)], filled(u_smem.at[0, slot]),
                               in_barriers.at[slot])
 
     total = per_program * parts
@@ -570,7 +585,7 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
       logits = _rounded_sum(acc_ref, u_part, base_gmem.dtype, interpret, later_products)
       u_part[...] = logits  # over the U_k part, which is in registers now
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(u_part, corrected_gmem.at[:, step, columns(n)])
+      plgpu.copy_smem_to_gmem(filled(u_part), corrected_gmem.at[:, step, columns(n)])
       return logits.astype(jnp.float32)
 
     def tile_logits(i):
@@ -601,8 +616,8 @@ def _one_consumer(*, rows, tile, parts, tiles, programs, per_program, stages, st
                for h, x in enumerate(xs)]
       return _tile_pair(pairs, lambda: xs, tile_of(i) * tile, temp, greedy_rows)
 
-    plgpu.copy_gmem_to_smem(v_gmem, v_smem.at[0], v_barrier.at[0])
-    plgpu.copy_gmem_to_smem(temp_gmem, temp_smem.at[0], v_barrier.at[0])
+    plgpu.copy_gmem_to_smem(v_gmem, filled(v_smem.at[0]), v_barrier.at[0])
+    plgpu.copy_gmem_to_smem(temp_gmem, temp_smem.at[0], v_barrier.at[0])  # padded to `rows`
     plgpu.copy_gmem_to_smem(greedy_gmem, greedy_smem.at[0], v_barrier.at[0])
     for n in range(min(stages - 1, per_program * parts)):
       fetch(n)

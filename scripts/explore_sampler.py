@@ -228,15 +228,17 @@ def main(argv=None):
       r = proposal.block_arrays(mixed, np.arange(batch) % vocab, np.full(batch, 1000))
       # On the device before timing: a numpy argument is copied to the GPU on every call, and
       # those copies, not the GPU, then set the pace of back-to-back calls. The head's arrays
-      # prepared as `DraftSampler` and `generate` prepare them (``("w2_parts", 0)``: not).
+      # prepared as `DraftSampler` and `generate` prepare them (``("w2_parts", 0)``: not;
+      # ``("w2_parts", 1)``: prepared at any B, e.g. for the Hopper kernel below 64 rows).
       call_args = bench_sampler.folded_args(head, base, np.arange(batch) % vocab, mixed,
                                             np.full(batch, 1000), jax.random.key(0))
       plain_args = (jax.device_put(head.arrays()), *call_args[1:])
+      parts_args = (jax.device_put(proposal.prepare_head_arrays(head.arrays())), *call_args[1:])
       floor = gamma * (rank * vocab + 2 * batch * vocab) * 2 / floor_bw
       row = {"V": vocab, "B": batch, "floor": floor}
       reference = None
       for name, form, options, greedy_only in variants:
-        run_args = call_args if dict(options).get("w2_parts", True) else plain_args
+        run_args = {None: call_args, 0: plain_args, 1: parts_args}[dict(options).get("w2_parts")]
         options = tuple(o for o in options if o[0] != "w2_parts")
         try:
           compiled = proposal.folded_block.lower(

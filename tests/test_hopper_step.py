@@ -63,6 +63,15 @@ def test_rejects_shapes_it_cannot_run():
     hopper_step.greedy_partials(v[:32], w2, base[:32], step=0, interpret=CPU)
   with pytest.raises(ValueError, match="^tile: "):
     hopper_step.greedy_partials(v, w2, base, step=0, tile=96, interpret=CPU)
+  # The sampling kernel pads a batch below 64 rows in multiples of 8, on one warpgroup.
+  sampling = functools.partial(hopper_step.sampling_partials, w2=w2, corrected=None, step=0,
+                               interpret=CPU)
+  with pytest.raises(ValueError, match=r"^v: expected \[12, r\] with the batch a multiple of 64, "
+                                       "or of 8 below it"):
+    sampling(v[:12], base_logits=base[:12], temperature=jnp.ones(12), greedy=jnp.zeros(12))
+  with pytest.raises(ValueError, match="^consumers: expected 1, or 2 with B a multiple of 128"):
+    sampling(v[:8], base_logits=base[:8], temperature=jnp.ones(8), greedy=jnp.zeros(8),
+             consumers=2)
 
 
 def test_w2_parts_are_w2_part_by_part_and_kernels_check_w2():
@@ -147,7 +156,8 @@ PARTS = "parts"  # the head's arrays prepared: the kernel reads W2 part by part
 
 @pytest.mark.parametrize("kind,batch,settings", [("vanilla", 64, ()), ("gated", 64, PARTS),
                                                  ("vanilla", 128, ()), ("vanilla", 64, ARGMAX),
-                                                 ("gated", 128, ARGMAX)])
+                                                 ("gated", 128, ARGMAX), ("vanilla", 8, PARTS),
+                                                 ("gated", 16, ARGMAX)])
 def test_hopper_sampling_equals_the_loop(kind, batch, settings):
   # Sampling-variant blocks through `hopper_step.sampling_partials`: B = 64 (4 stages) and 128
   # (3 stages), V = 1280 (ten 128-column tiles of two 64-column parts over 4 instances), γ = 2,
@@ -159,7 +169,7 @@ def test_hopper_sampling_equals_the_loop(kind, batch, settings):
   # tokens nearly all). The gated head's block walks step 1's tiles backwards (``serpentine``).
   # By default the kernel leaves greedy rows' first argmax to the token choice, which finds it in
   # the chosen tile; `ARGMAX`: the kernel finds it. `PARTS`: W2 part by part
-  # (`proposal.prepare_head_arrays`).
+  # (`proposal.prepare_head_arrays`). B = 8 and 16: the kernel pads the rows to 64 in shared memory.
   gamma, vocab, rank, hidden = 2, 1280, 64, 6
   arrays = _head_arrays(kind, vocab, rank, hidden, dtype=jnp.float32 if CPU else jnp.bfloat16)
   arrays["w2"] = arrays["w2"].at[:, 1250].set(arrays["w2"][:, 70])
@@ -361,10 +371,12 @@ def test_hopper_sampling_rejects_stages_shared_memory_cannot_hold():
 @pytest.mark.parametrize("batch,reverse,settings", [
     (64, False, {}), (128, False, {}), (128, True, {}),
     (64, False, {"overlap": False, "argmax": False}),
-    (128, True, {"overlap": True, "argmax": False}), (128, True, {"parts": True})])
+    (128, True, {"overlap": True, "argmax": False}), (128, True, {"parts": True}),
+    (8, True, {"parts": True, "argmax": False})])
 def test_sampling_kernel_lowers_for_cuda_at_the_benchmark_shape(batch, reverse, settings):
   # r = 256, V = 129280, bf16, the corrected logits a mutable buffer updated in place; `reverse`:
-  # an odd step of a serpentine block; `parts`: W2 part by part (`hopper_step.w2_parts`).
+  # an odd step of a serpentine block; `parts`: W2 part by part (`hopper_step.w2_parts`); B = 8:
+  # the rows padded to 64 in shared memory.
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   rank, vocab, gamma = 256, 129280, 7
   settings = dict(settings)
