@@ -23,7 +23,8 @@ draws, a greedy row's the tile's max) stored tile-major, so that `token_kernels.
 the tiles' noise, chooses the tile and draws inside it, as for the Triton kernel, and finds a greedy
 row's first max in its chosen tile. Both take the vectors [B, r] (64 KB at B = 128): ``W1[x]``
 gathered in XLA, or for a vanilla head's sampling steps written by the token choice before
-(`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor cores' row block). Both
+(`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor cores' row block; the
+sampling step also pads a multiple of 8 below it). Both
 read W2 as [r, V] or, faster, part by part (`w2_parts`: each 64-column part one run of memory).
 Maxima are float maxima that a NaN wins (``max.NaN.f32``), compared across tiles as `fused_step`'s
 integer keys (NaN first, -0 = +0), so tokens are the other forms', up to the order in which
@@ -33,31 +34,21 @@ approximate ``ex2``, so it can differ from XLA's in the last bits (within 1e-5 i
 
 On an H200 (BENCHMARKS.md, issue 6) both are the defaults on a Hopper GPU where
 `proposal.hopper_by_default` says so (greedy-only from 128 rows, sampling from 64);
-``pallas_options=(("hopper", False),)`` keeps the Triton kernel. Greedy-only (version 19):
-297-300 µs instead of the Triton kernel's 336 µs at B = 128 (V = 129280), 311-321 instead of 366 µs
-(V = 151936), at B = 64 no faster; after session 11's changes 258.5 and 275.9 µs at B = 128.
-Sampling, session 11's defaults (versions 33-35): 354.8 µs against the Triton path's 425.7 at
-B = 128 and 258.8 against 274.5 at B = 64 (V = 129280); 398.9 against 500.9 and 301.2 against 317.9
-(V = 151936); session 12's (version 36): 338.3 and 248.9 µs, 378.0 and 281.9 µs. The sampling
-kernel's road: whole 128-column tiles per stage were no faster than Triton at B = 64, one tile's
-copies in flight (version 20); 64-column parts, written back over their U_k part, fit three stages
-at 128 rows and four at 64 (`sampling_stages`, version 21), but one warpgroup's epilogue (round,
-integer keys, two row reductions, a divide and an exp per element) set the pace: 50 µs per step at
-B = 64, 107 at B = 128. From 128 rows two warpgroups split the rows (`sampling_partials`'
-`consumers`); written as one copy of the code per warpgroup, the kernel's code was so large that the
-warps spent half their stalled cycles waiting for instructions (Nsight Compute: 81 µs per step at
-B = 128); one copy for both, the consumer's index a traced value, took 53 µs, against 56-58 µs for
-the Triton kernel, and keeping the first part's logits in registers for the exp sum
-(``reread=False``, now the default) 3 µs less (version 32). Then fewer instructions per element
-(version 33: the float first-max and the log-mass in base 2; 42 µs per step under Nsight Compute,
-188 registers), odd steps walking backwards (34) and, with a vanilla head, the token choice writing
-the next step's ``W1[x]`` (35); then the greedy rows' first argmax left to the token choice, which
-reads the chosen tile anyway (36: -4 to -5 %), and a tile's two products started together with one
-warpgroup (36); then W2 part by part (37: -1 to -5 %; under Nsight Compute a third of the
-kernel's warp time now waits for its copies to land). Tests run both kernels in Mosaic GPU's CPU
-interpreter, where their tokens and logits equal the loop form's bit for bit (the two-warpgroup
-form only when asked for: `sampling_partials`). `scripts/hopper_probe.py` times the greedy
-kernel, `scripts/hopper_kernels.py` the sampling kernels alone.
+``pallas_options=(("hopper", False),)`` keeps the Triton kernel. At session 13's defaults, on an
+H200 at V = 129280, greedy-only takes 255 µs at B = 128 and sampling 243 and 329 µs at B = 64 and
+128; in session 11's run the Hopper sampling path took 259 and 355 µs where the Triton path took
+275 and 426. The sampling kernel's design
+choices, each measured (BENCHMARKS.md, issue 6, versions 19-38): 64-column parts per pipeline stage,
+each written back over its U_k part; two warpgroups splitting the rows from 128 rows, running one
+copy of the code (the consumer's index traced: a copy per warpgroup made the code too large to
+cache); the log-mass in base 2 and float maxima; greedy rows' first argmax left to the token
+choice; a tile's two products started together with one warpgroup; W2 part by part. Below 64 rows
+the sampling step also takes a batch in multiples of 8, padded to 64 rows in shared memory
+(opt-in, not yet timed). Tests run both kernels in Mosaic GPU's CPU interpreter, where their tokens
+and logits equal the loop form's bit for bit (the two-warpgroup form only when asked for:
+`sampling_partials`). `scripts/hopper_probe.py` times the greedy kernel,
+`scripts/hopper_kernels.py` the sampling kernels alone, `scripts/resident_probe.py` the pieces of a
+persistent kernel for all steps.
 """
 
 from __future__ import annotations
