@@ -42,6 +42,7 @@ from flax import struct
 from dspark_jax import fused_block
 from dspark_jax import fused_step
 from dspark_jax import heads as heads_lib
+from dspark_jax import hopper_block
 from dspark_jax import hopper_step
 from dspark_jax import sampling
 from dspark_jax import sampling_params as sp
@@ -324,7 +325,10 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   in one persistent kernel instead (`fused_block.block_tokens`; ``("programs", P)`` sets its grid):
   the same tokens and logits as the per-step kernels with tile draws, bit for bit. It is opt-in: on
   an H200 it was not faster overall (BENCHMARKS.md, issue 6, version 18), and it needs its whole
-  grid resident on the GPU at once.
+  grid resident on the GPU at once. ``("hopper_block", True)`` (vanilla head, sampling variant, B
+  a multiple of 8 up to 64, 128-column tiles) runs it as the small-batch Hopper kernel
+  `hopper_block.block_tokens` instead (experimental: equal to the loop form in the interpreter,
+  not yet run on a GPU; ``("stages", s)``, ``("programs", P)`` set it up).
 
   ``("hopper", True)`` (B a multiple of 64, any head) computes v in XLA and runs each step as a
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
@@ -364,7 +368,8 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   """
   options = dict(pallas_options)
   batch, gamma, vocab = base_logits.shape
-  persistent = options.pop("persistent", False)
+  small_block = options.pop("hopper_block", False)  # `hopper_block`: persistent, like fused_block
+  persistent = options.pop("persistent", False) or small_block
   interpret = jax.default_backend() == "cpu"
   # With a confidence head XLA needs W1[x_prev] anyway: gather it once there.
   w1_in_kernel = options.pop("w1_in_kernel", True) and kind == "vanilla" and conf_params is None
@@ -431,9 +436,17 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   if persistent:
     if kind != "vanilla":
       raise ValueError(f"pallas_options: persistent needs a vanilla head, got {kind!r}")
-    tokens, corrected = fused_block.block_tokens(
-        prev, head_params["w1"], head_params["w2"], base_logits, temperature, noise,
-        greedy=greedy_rows, greedy_only=greedy_only, interpret=interpret, **options)
+    if small_block:
+      if greedy_only or compact:
+        raise ValueError("pallas_options: hopper_block runs the sampling variant with its "
+                         "corrected logits (greedy_only=False, store_logits=True)")
+      tokens, corrected = hopper_block.block_tokens(
+          prev, head_params["w1"], head_params.get("w2_parts", head_params["w2"]), base_logits,
+          temperature, noise, greedy=greedy_rows, interpret=interpret, **options)
+    else:
+      tokens, corrected = fused_block.block_tokens(
+          prev, head_params["w1"], head_params["w2"], base_logits, temperature, noise,
+          greedy=greedy_rows, greedy_only=greedy_only, interpret=interpret, **options)
     if conf_params is not None:  # the vanilla head's e_k = W1[x_{k-1}], for all k at once
       prevs = jnp.concatenate([prev[:, None], tokens[:, :-1]], axis=1)
       e = heads_lib.markov_vector(kind, head_params, prevs, None, None)[1]

@@ -9,8 +9,8 @@ one instance per multiprocessor runs all γ steps of ``v @ W2`` part by part on 
   so that a step starts on the parts the step before left in L2, and `keep` of them held in
   shared memory for the whole block (the rest through a ring of `stages` TMA copies that runs on
   across the steps);
-* a grid-wide barrier between the steps (`grid_barrier`: a global semaphore counting arrivals;
-  every instance must be resident, one per multiprocessor);
+* a grid-wide barrier between the steps (`hopper_block.grid_barrier`: a global semaphore
+  counting arrivals; every instance must be resident, one per multiprocessor);
 * optionally (``--io``) each part's U_k read and ``round(v @ W2 + U_k)`` written, as a sampling
   step does, in the block's [B, γ, V] layout or tiled [γ, V/64, B, 64] (``--tiled``);
 * optionally (``--choice``) the round trip a token choice inside the kernel needs at each step's
@@ -45,35 +45,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dspark_jax import hopper_step
+from dspark_jax.hopper_block import grid_barrier, reset_barrier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402
 
 GAMMA, RANK, PART = 7, 256, hopper_step.PART
-
-
-def grid_barrier(arrive, programs, passes):
-  """All `programs` instances reach this point before any leaves it: each adds 1 to `arrive` and
-  waits until it holds ``programs · passes`` (`passes`: this barrier's 1-based count in the call).
-  Only 1-increments and at-least waits (no decrementing wait: in a first device run the
-  leader-releases form with a decrementing wait of P - 1 hung from 8 instances)."""
-  plgpu.semaphore_signal(arrive, 1, memory_scope="gpu")
-  plgpu.semaphore_wait(arrive, programs * passes, decrement=False, memory_scope="gpu")
-  # One thread of the warpgroup spun in the wait: the others wait for it here, before the next
-  # collective instruction (a WGMMA).
-  plgpu.commit_smem()
-
-
-def reset_barrier(arrive, done, program, programs, passes):
-  """Leaves both semaphores at 0 for the next call, once every instance has passed the last
-  barrier (`done` counts them)."""
-  plgpu.semaphore_signal(done, 1, memory_scope="gpu")
-
-  @pl.when(program == 0)
-  def _():
-    plgpu.semaphore_wait(done, programs, decrement=False, memory_scope="gpu")
-    plgpu.semaphore_signal(arrive, -programs * passes, memory_scope="gpu")
-    plgpu.semaphore_signal(done, -programs, memory_scope="gpu")
 
 
 def resident_steps(v, w2_parts, base=None, *, keep, stages, programs, gamma=GAMMA,
