@@ -119,10 +119,11 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy, pro
       arrive = pl.get_global(plgpu.SemaphoreType.REGULAR)
       done = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
+    forward = hopper_step._tile_walk(program, programs, tiles, False)
+    backward = hopper_step._tile_walk(program, programs, tiles, True)
+
     def tile_of(k, i):  # instance `program`'s i-th tile at step k: odd steps walk backwards
-      forward = jnp.minimum(program + i * programs, tiles - 1)
-      backward = jnp.maximum(tiles - 1 - program - i * programs, 0)
-      return jnp.where(lax.rem(k, 2) == 1, backward, forward)
+      return jnp.where(lax.rem(k, 2) == 1, backward(i), forward(i))
 
     def start(t):  # the first column of the instance's t-th part of the block
       k, n = t // per_step, lax.rem(t, per_step)
@@ -219,25 +220,15 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy, pro
 
     def step(k, carry):
       plgpu.barrier_wait(noise_barrier.at[0])
-      odd = lax.rem(k, 2) == 1
-
-      def visit(i, best_pair):
-        best, token = best_pair
-        key, tile_token = tile_pair(k, i, temp, greedy_row)
-        later_wins = jnp.where(odd, key >= best, key > best)  # ties: the smaller column
-        return jnp.where(later_wins, key, best), jnp.where(later_wins, tile_token, token)
-      best, token = lax.fori_loop(1, per_program, visit, tile_pair(k, 0, temp, greedy_row))
-      key_stage[...] = fused_step.key_value(best)
-      token_stage[...] = token
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(key_stage, pair_keys.at[k, program])
-      plgpu.copy_smem_to_gmem(token_stage, pair_tokens.at[k, program])
+      best, token = hopper_step._best_over_tiles(
+          per_program, lambda i: tile_pair(k, i, temp, greedy_row), reverse=lax.rem(k, 2) == 1)
+      hopper_step._store_pairs(best, token, key_stage, token_stage, pair_keys.at[k],
+                               pair_tokens.at[k], program)
 
       @pl.when(k + 1 < gamma)
       def _():
         fetch_noise(k + 1)  # the noise buffers are free: this step's epilogues have run
-      plgpu.wait_smem_to_gmem(0)
-      if not interpret:
+      if not interpret:  # the pairs are stored (`_store_pairs` waited)
         grid_barrier(arrive, programs, k + 1)
       choose(k)
 
