@@ -1,4 +1,4 @@
-"""A small batch's whole sampling block as one persistent Hopper kernel (experimental, not timed).
+"""A small batch's whole sampling block as one persistent Hopper kernel (experimental, slow).
 
 `scripts/resident_probe.py` (BENCHMARKS.md, issue 6, version 38) measured that one instance per
 multiprocessor running all γ steps on the same W2 parts streams W2 in 0.84-0.90× its DRAM floor (L2
@@ -18,7 +18,13 @@ of a step's bytes, so this kernel runs a vanilla head's whole sampling block tha
 
 Its tokens are `sampling.tokens_from_tile_stats`' for the same noise (a tile's log-mass is summed
 in base 2 here, as in `hopper_step`). The CPU interpreter runs it with one instance (the barrier,
-whose semaphores the interpreter lacks, is then not needed). Not yet run on a GPU.
+whose semaphores the interpreter lacks, is then not needed).
+
+On an H200 (BENCHMARKS.md, issue 6, version 39) its tokens and logits equal the default path's, but
+it takes 515 / 599 µs at B = 8 (V = 129280 / 151936), 3.3× the Triton chain: the per-tile draws
+run on all 64 padded rows on one warpgroup (~320 µs of the 515), two ring stages leave the copies
+exposed (150 µs with neither draws nor token round trips), and the round trips cost 7–13 µs a step.
+It stays opt-in, for the record and as the base of a kernel that would transpose the product.
 """
 
 from __future__ import annotations
@@ -218,10 +224,10 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy, pro
     temp = load(temp_smem, row_layout)
     greedy_row = load(greedy_smem, row_layout)
 
-    def step(k, carry):
-      plgpu.barrier_wait(noise_barrier.at[0])
+    def step(k, backwards):  # `backwards` (odd k) is static: Mosaic GPU selects no [B] rows
+      plgpu.barrier_wait(noise_barrier.at[0])         # by a traced scalar (jax 0.11)
       best, token = hopper_step._best_over_tiles(
-          per_program, lambda i: tile_pair(k, i, temp, greedy_row), reverse=lax.rem(k, 2) == 1)
+          per_program, lambda i: tile_pair(k, i, temp, greedy_row), reverse=backwards)
       hopper_step._store_pairs(best, token, key_stage, token_stage, pair_keys.at[k],
                                pair_tokens.at[k], program)
 
@@ -240,9 +246,16 @@ def block_tokens(anchor, w1, w2, base_logits, temperature, noise, *, greedy, pro
       def _():
         next_vectors()
       plgpu.wait_smem_to_gmem(0)
+
+    def step_pair(j, carry):
+      step(2 * j, False)
+
+      @pl.when(2 * j + 1 < gamma)
+      def _():
+        step(2 * j + 1, True)
       return carry
 
-    lax.fori_loop(0, gamma, step, 0)
+    lax.fori_loop(0, (gamma + 1) // 2, step_pair, 0)
     if not interpret:
       reset_barrier(arrive, done, program, programs, gamma)
 

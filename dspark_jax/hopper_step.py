@@ -178,14 +178,12 @@ def _best_over_tiles(per_program, tile_pair, reverse=False):
   """Each row's best (integer key, token) over the instance's tiles 0 .. per_program - 1, given
   `tile_pair(i)`: tiles come in column order, so a later tile wins only with a larger key and
   ties keep the earlier (smaller) token; with `reverse` they come in decreasing column order, and
-  a later tile wins ties too. `reverse` may be a traced bool (`hopper_block`: odd steps)."""
+  a later tile wins ties too (`reverse` is static: Mosaic GPU lowers no select of [B] rows by a
+  traced scalar)."""
   def visit(i, carry):
     best, token = carry
     tile_key, tile_token = tile_pair(i)
-    if isinstance(reverse, bool):
-      later_wins = (tile_key >= best) if reverse else (tile_key > best)
-    else:
-      later_wins = jnp.where(reverse, tile_key >= best, tile_key > best)
+    later_wins = (tile_key >= best) if reverse else (tile_key > best)
     return jnp.where(later_wins, tile_key, best), jnp.where(later_wins, tile_token, token)
   return lax.fori_loop(1, per_program, visit, tile_pair(0))
 
