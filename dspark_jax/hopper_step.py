@@ -133,12 +133,18 @@ def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
   return _rounded_sum(acc_ref, u_tile, dtype, interpret)
 
 
-def _row_max(x, interpret):
-  """Per row of float32 [B, tile] registers: the max, NaN if any is (``max.NaN.f32``)."""
-  best = jnp.max(x, axis=1)
+def _row_max(x, interpret, axis=1):
+  """Per row of float32 [B, tile] registers: the max, NaN if any is (``max.NaN.f32``). With
+  ``axis=0`` the registers are [tile, B] (`hopper_block`'s transposed product)."""
+  best = jnp.max(x, axis=axis)
   if interpret:  # the interpreter's max is XLA's on the CPU, which skips NaN: the GPU's does not
-    best = jnp.where(jnp.any(jnp.isnan(x), axis=1), jnp.nan, best)
+    best = jnp.where(jnp.any(jnp.isnan(x), axis=axis), jnp.nan, best)
   return best
+
+
+def _by_row(rows, shape, axis=1):
+  """A per-row vector broadcast over [B, tile] registers (``axis=1``) or [tile, B] (``axis=0``)."""
+  return lax.broadcast_in_dim(rows, shape, (1 - axis,))
 
 
 def _part_pair(x, col0, interpret, argmax):
@@ -149,20 +155,21 @@ def _part_pair(x, col0, interpret, argmax):
   return fused_step.order_keys(_row_max(x, interpret)), None
 
 
-def _first_max(x, col0, interpret):
-  """Per row of float32 [B, tile] registers: (max integer key, first column at it, from `col0`);
-  NaN first and -0 = +0, as in `fused_step`.
+def _first_max(x, col0, interpret, axis=1):
+  """Per row of float32 [B, tile] registers (or [tile, B] with ``axis=0``): (max integer key,
+  first column at it, from `col0`); NaN first and -0 = +0, as in `fused_step`.
 
   The max is a float max that a NaN wins (Mosaic GPU's is ``max.NaN.f32``), one instruction per
   element where `fused_step.order_keys` costs seven; only the rows' maxima become keys. Equal to
   a max is ``x == max`` (-0 and +0 alike) or, when the max is NaN, ``x`` NaN.
   """
-  best = _row_max(x, interpret)
-  lanes = (lax.broadcasted_iota(jnp.int32, x.shape, 1) if interpret else
-           plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA))
-  at_best = (x == lax.broadcast_in_dim(best, x.shape, (0,))) | jnp.isnan(x)
+  best = _row_max(x, interpret, axis)
+  lanes = (lax.broadcasted_iota(jnp.int32, x.shape, axis) if interpret else
+           plgpu.broadcasted_iota(jnp.int32, x.shape, axis, layout=plgpu.Layout.WGMMA))
+  at_best = (x == _by_row(best, x.shape, axis)) | jnp.isnan(x)
   # Some column is at the max (a NaN max: a NaN column), so the min is a lane: col0 added per row.
-  return fused_step.order_keys(best), jnp.min(jnp.where(at_best, lanes, _NO_TOKEN), axis=1) + col0
+  return (fused_step.order_keys(best),
+          jnp.min(jnp.where(at_best, lanes, _NO_TOKEN), axis=axis) + col0)
 
 
 def _tile_walk(program, programs, tiles, reverse):
@@ -482,16 +489,16 @@ def _load_rows(ref, row_layout, interpret):
   return ref[...] if interpret else plgpu.load(ref, (), layout=row_layout)
 
 
-def _tile_log_mass(xs, tile_max, temp):
+def _tile_log_mass(xs, tile_max, temp, axis=1):
   """`sampling.tile_log_mass` of a tile from its parts' float32 logits `xs` and its max m, the sum
   taken part by part and in base 2: ``exp((x - m) / T) = 2^((x - m) · log2(e) / T)``, a subtraction,
   a multiply by a per-row constant and ``ex2`` per element, where the division and ``exp`` cost
   several instructions more (the max's own term is still exactly 1; BENCHMARKS.md, issue 6,
-  version 33)."""
+  version 33). ``axis=0``: the parts are [tile, B] (`hopper_block`)."""
   shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0)  # isfinite
   scale = _LOG2_E / temp
-  mass = sum(jnp.sum(jnp.exp2((x - lax.broadcast_in_dim(shift, x.shape, (0,)))
-                              * lax.broadcast_in_dim(scale, x.shape, (0,))), axis=1)
+  mass = sum(jnp.sum(jnp.exp2((x - _by_row(shift, x.shape, axis))
+                              * _by_row(scale, x.shape, axis)), axis=axis)
              for x in xs)
   return shift / temp + jnp.log(mass)
 

@@ -327,8 +327,9 @@ def _pallas_block(kind, head_params, conf_params, base_logits, anchor, hidden, g
   an H200 it was not faster overall (BENCHMARKS.md, issue 6, version 18), and it needs its whole
   grid resident on the GPU at once. ``("hopper_block", True)`` (vanilla head, sampling variant, B
   a multiple of 8 up to 64, 128-column tiles) runs it as the small-batch Hopper kernel
-  `hopper_block.block_tokens` instead (experimental: equal to the loop form in the interpreter,
-  not yet run on a GPU; ``("stages", s)``, ``("programs", P)`` set it up).
+  `hopper_block.block_tokens` instead (experimental: on an H200 the default path's tokens and
+  logits, but slower, 195 against 157 µs at B = 8, V = 129280: BENCHMARKS.md, issue 6, version 39;
+  ``("stages", s)``, ``("programs", P)`` set it up).
 
   ``("hopper", True)`` (B a multiple of 64, any head) computes v in XLA and runs each step as a
   Mosaic GPU kernel for Hopper GPUs: `hopper_step.greedy_partials` (greedy-only; ``("tile", c)``,
