@@ -206,22 +206,34 @@ def test_pallas_form_block_law(kind, temperature, options):
   # the two-level draw crosses tiles), γ = 2: the law of (x1, x2) over 2,304 outcomes. Statistic:
   # Pearson chi-square (bins with expected count < 5 pooled) against the enumerated float64 law;
   # threshold p >= 1e-3. Power: the law at 1.15 x the temperature must be rejected (p < 1e-6).
+  # The 64,096 rows are drafted in 32 calls of 2,003 rows (the same rows, seeds, positions and key;
+  # a row's draws depend on (key, seed, position) only, test_rows_are_independent_of_batch_composition,
+  # so these are the tokens one 64,096-row call draws, bit for bit). Each call still has >= 64 rows,
+  # so the kernel's settings are those of the large batch (64-row blocks, the last one partly
+  # masked; without TILE_DRAWS the token choice draws). Why: in the interpreter every instance of
+  # a kernel's grid (one per 64-row block, one per row in `draw_tokens`) handles whole arrays, so
+  # its time grows as rows²: one 64,096-row call took 60-200 s on 2 CPU cores, the 32 take ~5 s.
   vocab, gamma, rank, hidden, n, greedy_n = 48, 2, 16, 3, 60_000, 4_096
   arrays = helpers.head_arrays(kind, vocab, rank, hidden, seed=5, scale=1.5)
   head = dj.markov_head_from_arrays(kind, arrays)
   rng = np.random.default_rng(6)
   base = rng.normal(0, 1.5, (gamma, vocab)).astype(np.float32)
   h = rng.normal(0, 1.0, (gamma, hidden)).astype(np.float32)
-  anchor, rows = 3, n + greedy_n
+  anchor, rows, chunk = 3, n + greedy_n, 2_003
+  assert rows % chunk == 0 and chunk >= proposal.TILE_DRAWS_BELOW_BATCH
   params = dj.SamplingParams(temperature=np.r_[np.zeros(greedy_n), np.full(n, temperature)],
                              seed=np.arange(rows))
   r = proposal.block_arrays(params, np.full(rows, anchor), np.full(rows, 11))
-  tokens, corrected, _ = proposal.folded_block(
-      head.arrays(), None, jnp.broadcast_to(base, (rows, gamma, vocab)), r["anchor"],
-      jnp.broadcast_to(h, (rows, gamma, hidden)), r["greedy"], r["temperature"], r["seeds"],
-      r["positions"], jax.random.key(9), kind=kind, greedy_only=False, form="pallas",
-      pallas_options=options)
-  tokens = np.asarray(tokens)
+  tokens = []
+  for start in range(0, rows, chunk):
+    part = slice(start, start + chunk)
+    tokens.append(proposal.folded_block(
+        head.arrays(), None, jnp.broadcast_to(base, (chunk, gamma, vocab)), r["anchor"][part],
+        jnp.broadcast_to(h, (chunk, gamma, hidden)), r["greedy"][part], r["temperature"][part],
+        r["seeds"][part], r["positions"][part], jax.random.key(9), kind=kind, greedy_only=False,
+        form="pallas", pallas_options=options)[0])
+  tokens = np.concatenate([np.asarray(t) for t in tokens])
+  assert tokens.shape == (rows, gamma)
   path = []
   for _ in range(gamma):
     logits = reference.corrected_logits(kind, arrays, base, anchor, h, path + [0] * (gamma - len(path)))
