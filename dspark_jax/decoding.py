@@ -39,14 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import draft_model as dm
-from dspark_jax import layers
-from dspark_jax import memory_gate
-from dspark_jax import proposal
-from dspark_jax import sampling
-from dspark_jax import sampling_params as sp
-from dspark_jax import target_law
-from dspark_jax import target_model as tm
+from dspark_jax.models import draft as dm
+from dspark_jax.models import layers
+from dspark_jax.draft import memory_gate
+from dspark_jax.draft import block as proposal
+from dspark_jax.kernels import dispatch
+from dspark_jax.kernels import pallas_block
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import params as sp
+from dspark_jax.sampling import target_law
+from dspark_jax.models import target as tm
 from dspark_jax import verification
 
 PATH_AUTOREGRESSIVE = "autoregressive"
@@ -68,6 +70,7 @@ class GenerateResult:
     path: "folded-sampling", "folded-greedy", "eager" or "autoregressive".
     wall_seconds: execution time of the decode (compilation excluded; includes the final sync).
     compile_seconds: time spent compiling in this call (0 when every program was cached).
+    backend: the `dispatch.Choice` that drafted the blocks of a folded path (None otherwise).
   """
 
   tokens: np.ndarray
@@ -79,6 +82,7 @@ class GenerateResult:
   path: str
   wall_seconds: float
   compile_seconds: float
+  backend: dispatch.Choice | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -194,13 +198,13 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
 
 
 def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only,
-                       store_logits=True, head=None):
+                       store_logits=True, head=None, backend=None):
   base, hidden = _draft_forward(target, draft, state)
   head, conf, hidden = _draft_inputs(draft, hidden, head)
   tokens, corrected, _ = proposal.folded_block(
       head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"], rows["seeds"],
       state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only,
-      store_logits=store_logits)
+      backend=backend, store_logits=store_logits)
   if isinstance(corrected, proposal.CompactLogits):
     corrected = corrected.with_inputs(base, head["w2"])
   return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key,
@@ -220,7 +224,8 @@ _finish_jit = jax.jit(_finish, static_argnums=1)
 
 
 def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
-                    target_def, draft_def, path, cache_len, out_len, store_logits=True):
+                    target_def, draft_def, path, cache_len, out_len, store_logits=True,
+                    backend=None):
   """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
@@ -229,12 +234,11 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
   if path == PATH_AUTOREGRESSIVE:
     step = functools.partial(_autoregressive_step, target)
   else:
-    # Where the draft's Hopper kernels may run they read W2 part by part: prepared once here,
-    # outside the rounds' loop.
-    head = proposal.head_arrays_for(draft.head.arrays(), prompt.shape[0])
+    # Where the Hopper kernels run they read W2 part by part: prepared once here, outside the loop.
+    head = pallas_block.head_arrays_for(draft.head.arrays(), [backend])
     step = functools.partial(_speculative_round, target, draft,
                              greedy_only=path == proposal.PATH_FOLDED_GREEDY,
-                             store_logits=store_logits, head=head)
+                             store_logits=store_logits, head=head, backend=backend)
   limit = out_len  # every iteration commits at least one token per active row
   state = jax.lax.while_loop(
       lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit),
@@ -341,7 +345,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              stop_token_ids: Sequence[int] | np.ndarray = (), spec: bool = True,
              mode: memory_gate.FoldedSampling | str | None = None, memory_stats=None,
              headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
-             store_logits: bool = True) -> GenerateResult:
+             store_logits: bool = True, backend: str | None = None,
+             config=None) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -358,9 +363,11 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     store_logits: False drafts sampled rows without storing their corrected logits
       (`proposal.CompactLogits`: each token's log q; the verifier recomputes the one row it needs).
       The same tokens, fewer bytes per round at large batches.
+    backend, config: what computes the folded draft blocks ("auto", "xla", "triton", "hopper";
+      None reads ``$DSPARK_JAX_BACKEND``) and its settings (`dspark_jax.kernels.dispatch`).
 
   Returns:
-    A `GenerateResult`.
+    A `GenerateResult`; ``result.backend`` says which backend drafted and why.
 
   Raises:
     ValueError: bad prompts (naming the row and token), a draft that does not fit the target, a
@@ -398,6 +405,14 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
 
+  choice = None
+  if path in (proposal.PATH_FOLDED_GREEDY, proposal.PATH_FOLDED_SAMPLING):
+    choice = proposal.choose_backend(
+        draft.head.arrays(),
+        jax.ShapeDtypeStruct((padded_batch, gamma, vocab), draft.config.dtype),
+        kind=draft.head.kind, greedy_only=path == proposal.PATH_FOLDED_GREEDY,
+        store_logits=store_logits, confidence=draft.confidence is not None, backend=backend,
+        config=config)
   compile_seconds = 0.0
   start = time.perf_counter()
   if path == proposal.PATH_EAGER:
@@ -406,7 +421,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                        store_logits=store_logits)
   else:
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
-                   out_len=out_len, store_logits=store_logits)
+                   out_len=out_len, store_logits=store_logits, backend=choice)
     shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))),
                           (target_state, draft_state, args))
     signature = (str(jax.tree_util.tree_structure(shapes)), str(jax.tree.leaves(shapes)),
@@ -434,4 +449,4 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   return GenerateResult(tokens=tokens.astype(np.int32), lengths=lengths,
                         finished=np.asarray(state["finished"])[:batch], rounds=int(state["rounds"]),
                         tau=tau, acceptance=acceptance, path=path, wall_seconds=wall,
-                        compile_seconds=compile_seconds)
+                        compile_seconds=compile_seconds, backend=choice)

@@ -42,10 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dspark_jax import proposal
-from dspark_jax import sampling
-from dspark_jax import sampling_params as sp
-from dspark_jax import target_law
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import params as sp
+from dspark_jax.sampling import target_law
 
 
 @struct.dataclass

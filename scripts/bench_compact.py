@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal, verification
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax import verification
+from dspark_jax.sampling import params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402

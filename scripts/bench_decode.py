@@ -47,9 +47,12 @@ import numpy as np
 from flax import nnx
 
 import dspark_jax as dj
-from dspark_jax import decoding, layers, proposal, verification
-from dspark_jax import draft_model as dm
-from dspark_jax import target_model as tm
+from dspark_jax import decoding
+from dspark_jax.models import layers
+from dspark_jax.draft import block as proposal
+from dspark_jax import verification
+from dspark_jax.models import draft as dm
+from dspark_jax.models import target as tm
 
 TAUS = (1.0, 2.0, 3.64, 6.11)  # 3.64 / 6.11: the paper's MT-Bench / GSM8K τ for Qwen3-4B
 

@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import draft_sampler
-from dspark_jax import heads
-from dspark_jax import proposal
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import proposer as draft_sampler
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_reference  # noqa: E402  (scripts/torch_reference.py)

@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal, sampling
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402
@@ -83,7 +85,7 @@ PART_OPTIONS = {  # kernel options for --parts, by name
 def parts(vocabs, batches, gamma, rank, dtype, repeats, option_names=("default", "xc")):
   """Per (V, B): the γ kernels alone under several settings (no token choice in between, so no
   glue), then whole programs (pallas, unrolled, loop forms): the difference is the glue's cost."""
-  from dspark_jax import fused_step
+  from dspark_jax.kernels import triton_step as fused_step
   interpret = jax.default_backend() == "cpu"
   for vocab in vocabs:
     head = heads.MarkovHead.random("vanilla", vocab_size=vocab, rank=rank, rngs=nnx.Rngs(0),

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import hopper_step
+from dspark_jax.kernels import hopper_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402

@@ -27,8 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import fused_step, heads, hopper_step, proposal, sampling
-from dspark_jax import sampling_params as sp
+from dspark_jax.kernels import triton_step as fused_step
+from dspark_jax.draft import heads
+from dspark_jax.kernels import hopper_step
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import params as sp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax import draft_sampler, heads
+from dspark_jax.draft import proposer as draft_sampler
+from dspark_jax.draft import heads
 
 
 def main():

@@ -18,7 +18,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import fused_step, sampling
+from dspark_jax.kernels import triton_step as fused_step
+from dspark_jax.sampling import sampler as sampling
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402

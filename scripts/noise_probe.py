@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import heads, proposal, sampling, token_kernels
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.kernels import token_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler  # noqa: E402

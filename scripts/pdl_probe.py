@@ -61,7 +61,7 @@ def triton_chain_kernel(programs, iterations, trigger, wait):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 
-  from dspark_jax import fused_step
+  from dspark_jax.kernels import triton_step as fused_step
 
   def kernel(x_ref, o_ref):
     program = pl.program_id(0)

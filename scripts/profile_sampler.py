@@ -42,8 +42,9 @@ def run(args):
   import jax.numpy as jnp
   from flax import nnx
 
-  from dspark_jax import heads, proposal
-  from dspark_jax import sampling_params as sp
+  from dspark_jax.draft import heads
+  from dspark_jax.draft import block as proposal
+  from dspark_jax.sampling import params as sp
 
   gamma, rank, vocab, batch = 7, 256, args.vocab, args.batch
   head = heads.MarkovHead.random("vanilla", vocab_size=vocab, rank=rank, rngs=nnx.Rngs(0),

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dspark_jax import hopper_step
+from dspark_jax.kernels import hopper_step
 from dspark_jax.hopper_block import grid_barrier, reset_barrier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.law_checks import chi_square
+from dspark_jax.testing.law_checks import chi_square
 
 P_THRESHOLD = 1e-3
 """A test fails when the goodness-of-fit p-value is below this (seeds are fixed, so CI is

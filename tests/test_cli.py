@@ -2,7 +2,8 @@
 
 import pytest
 
-from dspark_jax import cli, memory_gate
+from dspark_jax.apps import cli
+from dspark_jax.draft import memory_gate
 
 
 def test_probe_prints_the_decision(capsys):

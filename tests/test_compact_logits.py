@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import draft_sampler, memory_gate, proposal, verification
+from dspark_jax.draft import proposer as draft_sampler
+from dspark_jax.draft import memory_gate
+from dspark_jax.draft import block as proposal
+from dspark_jax import verification
 from tests import helpers
 
 KINDS = ("vanilla", "gated", "rnn")

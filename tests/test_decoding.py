@@ -11,7 +11,11 @@ import pytest
 from flax import nnx
 
 import dspark_jax as dj
-from dspark_jax import decoding, draft_model as dm, law_checks, layers, target_model as tm
+from dspark_jax import decoding
+from dspark_jax.models import draft as dm
+from dspark_jax.testing import law_checks
+from dspark_jax.models import layers
+from dspark_jax.models import target as tm
 from tests import stats
 
 VOCAB = 12
@@ -153,7 +157,7 @@ def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
   # outside the rounds' loop (`proposal.prepare_head_arrays`: W2 part by part for the Hopper
   # kernels). Posing as one here (5 rows qualify, V = 64): the arrays are prepared once per trace
   # and the tokens do not change (on the CPU no kernel reads the parts).
-  from dspark_jax import proposal
+  from dspark_jax.draft import block as proposal
   target = make_target(vocab=64)
   draft = make_draft(target, 4, "vanilla")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import draft_sampler, memory_gate, proposal
+from dspark_jax.draft import proposer as draft_sampler
+from dspark_jax.draft import memory_gate
+from dspark_jax.draft import block as proposal
 from tests import helpers
 
 GAMMA, VOCAB, RANK, HIDDEN = 4, 96, 8, 6

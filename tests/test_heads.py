@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import law_checks as reference
+from dspark_jax.testing import law_checks as reference
 from tests import helpers
 
 KINDS = ("vanilla", "gated", "rnn")

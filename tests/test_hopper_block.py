@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import hopper_block, hopper_step, proposal, sampling
+from dspark_jax import hopper_block
+from dspark_jax.kernels import hopper_step
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
 from tests import helpers
 
 CPU = jax.default_backend() == "cpu"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import hopper_step, proposal
+from dspark_jax.kernels import hopper_step
+from dspark_jax.draft import block as proposal
 from tests import helpers, stats
 
 CPU = jax.default_backend() == "cpu"  # there the kernel runs in Mosaic GPU's interpreter

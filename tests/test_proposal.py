@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import law_checks as reference
-from dspark_jax import fused_block, fused_step, proposal, sampling, token_kernels
+from dspark_jax.testing import law_checks as reference
+from dspark_jax import fused_block
+from dspark_jax.kernels import triton_step as fused_step
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.kernels import token_kernels
 from tests import helpers, stats
 
 KINDS = ("vanilla", "gated", "rnn")

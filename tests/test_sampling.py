@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import law_checks as reference
-from dspark_jax import sampling
+from dspark_jax.testing import law_checks as reference
+from dspark_jax.sampling import sampler as sampling
 from tests import stats
 
 

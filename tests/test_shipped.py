@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import checkpoints, cli, data, layers, shipped, training
-from dspark_jax import target_model as tm
+from dspark_jax.train import checkpoints
+from dspark_jax.apps import cli
+from dspark_jax.train import data
+from dspark_jax.models import layers
+from dspark_jax.models import shipped
+from dspark_jax.train import trainer as training
+from dspark_jax.models import target as tm
 
 
 @pytest.fixture(scope="module")

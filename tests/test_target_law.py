@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import law_checks
+from dspark_jax.testing import law_checks
 from tests import stats
 
 CONFIGS = [  # (temperature, top_k, top_p)

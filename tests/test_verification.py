@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import proposal
+from dspark_jax.draft import block as proposal
 from tests import helpers
 
 V, G = 8, 3

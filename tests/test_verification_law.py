@@ -2,7 +2,7 @@
 
 Every test decodes L = 3 tokens for N = 200,000 sampled rows and 40,000 greedy rows in the same batches
 (one row in six is greedy: half by temperature 0, half by top_k = 1) through repeated
-`sample_block` -> `verify` rounds of a toy pair (`dspark_jax.toy_markov`): a Markov target over V = 6
+`sample_block` -> `verify` rounds of a toy pair (`dspark_jax.testing.toy_markov`): a Markov target over V = 6
 tokens and a real DSpark draft (vanilla sequential head) whose law differs from it. The sampled rows'
 3-token sequences are compared with the target's exact autoregressive law (`law_checks.chain_law`,
 float64 enumeration of all (V+1)^3 outcomes) by Pearson chi-square; the test fails at p < 1e-3.
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
-from dspark_jax import law_checks, toy_markov
+from dspark_jax.testing import law_checks
+from dspark_jax.testing import toy_markov
 from tests import stats
 
 VOCAB, LENGTH, START = 6, 3, 1

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import heads
-from dspark_jax import proposal
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import params as sp
 from dspark_jax import verification
 
 

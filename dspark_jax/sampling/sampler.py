@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import sampling_params as sp
+from dspark_jax.sampling import params as sp
 
 NOISE_PRNG_IMPL = "philox4x32"
 """The implementation `row_keys` wraps its words as (for `jax.random` on the verifier's side)."""

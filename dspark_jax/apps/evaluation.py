@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from dspark_jax import data
+from dspark_jax.train import data
 from dspark_jax import decoding
-from dspark_jax import sampling_params as sp
-from dspark_jax import shipped
+from dspark_jax.sampling import params as sp
+from dspark_jax.models import shipped
 
 
 @dataclasses.dataclass

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dspark_jax import fused_step
-from dspark_jax import sampling
+from dspark_jax.kernels import triton_step as fused_step
+from dspark_jax.sampling import sampler as sampling
 
 
 def _write_token(refs, row, step, token, blocks):

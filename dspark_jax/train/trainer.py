@@ -31,10 +31,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax import checkpoints
-from dspark_jax import draft_model as dm
-from dspark_jax import heads
-from dspark_jax import target_model as tm
+from dspark_jax.train import checkpoints
+from dspark_jax.models import draft as dm
+from dspark_jax.draft import heads
+from dspark_jax.models import target as tm
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 POSITION_DECAY = 4.0

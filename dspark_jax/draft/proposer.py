@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import fused_step
-from dspark_jax import heads as heads_lib
-from dspark_jax import memory_gate
-from dspark_jax import proposal
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import heads as heads_lib
+from dspark_jax.draft import memory_gate
+from dspark_jax.draft import block as proposal
+from dspark_jax.kernels import dispatch
+from dspark_jax.kernels import pallas_block
+from dspark_jax.sampling import params as sp
 
 FoldedSampling = memory_gate.FoldedSampling
 
@@ -74,7 +75,8 @@ class DraftSampler:
     max_batch_size, vocab_size, gamma, logits_dtype, hidden_size: the static shapes it serves.
     buckets: the padding bucket sizes.
     decision: the `memory_gate.GateDecision` taken at build time.
-    form: the folded programs' form ("auto" or one of `proposal.FORMS`; `proposal.folded_block`).
+    backend, config: what was asked for ("auto", "xla", "triton", "hopper", or None for
+      ``$DSPARK_JAX_BACKEND``) and its settings (`dspark_jax.kernels.dispatch`).
     store_logits: sampling blocks carry their corrected logits (True) or a
       `proposal.CompactLogits` (False).
     compilations: how many programs this sampler has compiled (for compile guards).
@@ -89,10 +91,12 @@ class DraftSampler:
   hidden_size: int | None
   buckets: tuple[int, ...]
   decision: memory_gate.GateDecision | None = None
-  form: str = "auto"
+  backend: str | None = None
+  config: Any = None
   store_logits: bool = True
   compilations: int = 0
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+  _choices: dict = dataclasses.field(default_factory=dict, repr=False)
   _weights: tuple | None = dataclasses.field(default=None, repr=False)
 
   @property
@@ -108,10 +112,32 @@ class DraftSampler:
     return next(b for b in self.buckets if b >= batch)
 
   # ---- compilation ---------------------------------------------------------------------------------
+  def choice(self, greedy_only: bool, bucket: int) -> dispatch.Choice:
+    """The backend decision (`dispatch.Choice`) for one variant at one padding bucket."""
+    key = (greedy_only, bucket)
+    if key not in self._choices:
+      arrays = self.head.arrays()
+      self._choices[key] = proposal.choose_backend(
+          arrays, jax.ShapeDtypeStruct((bucket, self.gamma, self.vocab_size), self.logits_dtype),
+          kind=self.head.kind, greedy_only=greedy_only, store_logits=self.store_logits,
+          confidence=self.confidence_head is not None, backend=self.backend, config=self.config)
+    return self._choices[key]
+
+  @property
+  def backends(self) -> dict[tuple[str, int], dispatch.Choice]:
+    """``{(variant, bucket): Choice}`` for every enabled variant and bucket: what runs, and why."""
+    out = {}
+    for bucket in self.buckets:
+      out[("greedy", bucket)] = self.choice(True, bucket)
+      if self.folded_sampling:
+        out[("sampling", bucket)] = self.choice(False, bucket)
+    return out
+
   def _head_arrays(self) -> dict:
-    """The head's arrays as the programs take them: prepared (`proposal.prepare_head_arrays`: W2
-    part by part) where this sampler's larger buckets may run the Hopper kernels."""
-    return proposal.head_arrays_for(self.head.arrays(), self.max_batch_size)
+    """The head's arrays as the programs take them: with W2 part by part
+    (`pallas_block.prepare_head_arrays`) where a bucket runs the Hopper kernels."""
+    choices = [self.choice(g, b) for b in self.buckets for g in (True, False)]
+    return pallas_block.head_arrays_for(self.head.arrays(), choices)
 
   def _abstract_inputs(self, bucket: int, hidden_dtype=None):
     def spec(shape, dtype):
@@ -133,8 +159,9 @@ class DraftSampler:
     signature = _signature(greedy_only, args)
     compiled = self._compiled.get(signature)
     if compiled is None:
+      choice = self.choice(greedy_only, args[2].shape[0])
       compiled = proposal.folded_block.lower(*args, kind=self.head.kind, greedy_only=greedy_only,
-                                             form=self.form,
+                                             backend=choice,
                                              store_logits=self.store_logits).compile()
       self._compiled[signature] = compiled
       self.compilations += 1
@@ -210,7 +237,8 @@ class DraftSampler:
         tokens=tokens, corrected_logits=None if all_greedy else corrected,
         greedy_mask=greedy, temperatures=temperature,
         confidence=confidence,
-        path=proposal.PATH_FOLDED_GREEDY if all_greedy else proposal.PATH_FOLDED_SAMPLING)
+        path=proposal.PATH_FOLDED_GREEDY if all_greedy else proposal.PATH_FOLDED_SAMPLING,
+        backend=self.choice(all_greedy, bucket))
 
 
 def _infer_hidden_size(head, confidence_head, hidden_size):
@@ -230,8 +258,8 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
                         headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
                         memory_stats=None,
                         confidence_head: heads_lib.ConfidenceHead | None = None,
-                        hidden_size: int | None = None, form: str = "auto",
-                        store_logits: bool = True) -> DraftSampler:
+                        hidden_size: int | None = None, backend: str | None = None,
+                        config=None, store_logits: bool = True) -> DraftSampler:
   """Builds a `DraftSampler`: resolves the memory gate and compiles the folded variants once.
 
   Args:
@@ -248,8 +276,11 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       when nothing is reported.
     confidence_head: optional confidence head, run inside the folded loop.
     hidden_size: H, needed only when it cannot be read off the heads.
-    form: how the folded programs are written: "auto" (`proposal.choose_form`, per variant),
-      "loop", "unrolled" or "pallas" (`proposal.folded_block`); the same law.
+    backend: what computes the folded programs: "auto" (the dispatch table, per variant and
+      bucket), "xla", "triton" or "hopper"; None reads ``$DSPARK_JAX_BACKEND`` (default "auto").
+      An explicit backend must satisfy its preconditions at every bucket
+      (`dspark_jax.kernels.dispatch`). The same law on every backend.
+    config: that backend's settings (`dispatch.XlaConfig`, `TritonConfig`, `HopperConfig`).
     store_logits: False: sampling blocks keep a `proposal.CompactLogits` (each token's log q and
       what recomputes the verifier's row) instead of the [B, γ, V] corrected logits; the memory
       gate then counts that instead.
@@ -263,11 +294,6 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
     raise ValueError(f"vocab_size: {vocab_size} does not match the head's vocab {head.vocab_size}")
   if gamma < 1:
     raise ValueError(f"gamma: must be >= 1, got {gamma}")
-  if form != "auto" and form not in proposal.FORMS:
-    raise ValueError(f"form: expected \"auto\" or one of {proposal.FORMS}, got {form!r}")
-  if form == "pallas" and not fused_step.supports(vocab_size):
-    raise ValueError(f"form: \"pallas\" needs a vocab divisible by {fused_step.MIN_TILE}, "
-                     f"got {vocab_size}")
   if headroom_bytes < 0:
     raise ValueError(f"headroom_bytes: must be >= 0, got {headroom_bytes}")
   logits_dtype = jnp.dtype(logits_dtype)
@@ -277,7 +303,11 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
       head=head, confidence_head=confidence_head, max_batch_size=max_batch_size,
       vocab_size=vocab_size, gamma=gamma, logits_dtype=logits_dtype,
       hidden_size=_infer_hidden_size(head, confidence_head, hidden_size),
-      buckets=bucket_sizes(max_batch_size), form=form, store_logits=store_logits)
+      buckets=bucket_sizes(max_batch_size), backend=backend, config=config,
+      store_logits=store_logits)
+  for bucket in sampler.buckets:  # an explicit backend's preconditions, checked before compiling
+    for greedy_only in (True, False):
+      sampler.choice(greedy_only, bucket)
 
   need = memory_gate.sampling_need_bytes(max_batch_size, vocab_size, gamma, logits_dtype,
                                          store_logits=store_logits, rank=head.rank)

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import sampling
-from dspark_jax import sampling_params as sp
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import params as sp
 
 
 def _truncation_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax import layers
+from dspark_jax.models import layers
 
 
 @dataclasses.dataclass(frozen=True)

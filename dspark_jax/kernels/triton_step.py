@@ -56,7 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dspark_jax import sampling
+from dspark_jax.sampling import sampler as sampling
 
 MIN_ROWS = 16  # a dot on the matrix units needs at least 16 rows
 MIN_TILE = 16

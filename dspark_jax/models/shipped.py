@@ -23,12 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import checkpoints
-from dspark_jax import data
-from dspark_jax import draft_model as dm
-from dspark_jax import target_model as tm
+from dspark_jax.train import checkpoints
+from dspark_jax.train import data
+from dspark_jax.models import draft as dm
+from dspark_jax.models import target as tm
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 PART_BYTES = 15 * 2**20
 
 RECIPE = {

@@ -1,9 +1,9 @@
 """The ``dspark-jax`` command line: ``demo`` (the default), ``eval``, ``sampler-demo``, ``probe``.
 
-* ``dspark-jax demo``: the shipped trained pair decoding held-out prompts (`dspark_jax.demo`).
+* ``dspark-jax demo``: the shipped trained pair decoding held-out prompts (`dspark_jax.apps.demo`).
 * ``dspark-jax eval``: the acceptance study, DSpark drafter vs parallel ablation at T = 0 and 1: a
-  table, a PNG plot and a JSON file (`dspark_jax.evaluation`).
-* ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.sampler_demo`).
+  table, a PNG plot and a JSON file (`dspark_jax.apps.evaluation`).
+* ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.apps.sampler_demo`).
 * ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
   those shapes on the current device and prints the memory gate's decision.
 """
@@ -79,7 +79,8 @@ def probe(args) -> int:
   import jax
   import jax.numpy as jnp
 
-  from dspark_jax import draft_sampler, heads
+  from dspark_jax.draft import proposer as draft_sampler
+  from dspark_jax.draft import heads
 
   # The gate only needs shapes; zero weights cost nothing to make.
   head = heads.markov_head_from_arrays("vanilla", {
@@ -100,7 +101,8 @@ def evaluate(args) -> int:
   import json
   import os
 
-  from dspark_jax import evaluation, shipped
+  from dspark_jax.apps import evaluation
+  from dspark_jax.models import shipped
 
   pair = shipped.load_shipped()
   temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -127,9 +129,9 @@ def main(argv=None) -> int:
   if args.command == "eval":
     return evaluate(args)
   if args.command == "sampler-demo":
-    from dspark_jax import sampler_demo
+    from dspark_jax.apps import sampler_demo
     return sampler_demo.run(args)
-  from dspark_jax import demo
+  from dspark_jax.apps import demo
   return demo.run(args)
 
 

@@ -15,8 +15,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax import data, decoding, shipped
-from dspark_jax import sampling_params as sp
+from dspark_jax.train import data
+from dspark_jax import decoding
+from dspark_jax.models import shipped
+from dspark_jax.sampling import params as sp
 
 
 def _show(text: str, width: int = 96) -> str:

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import draft_model as dm
-from dspark_jax import layers
-from dspark_jax import target_model as tm
+from dspark_jax.models import draft as dm
+from dspark_jax.models import layers
+from dspark_jax.models import target as tm
 
 _DTYPE_FIELDS = ("dtype", "param_dtype")
 

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import draft_sampler, heads, proposal
-from dspark_jax import sampling_params as sp
+from dspark_jax.draft import proposer as draft_sampler
+from dspark_jax.draft import heads
+from dspark_jax.draft import block as proposal
+from dspark_jax.sampling import params as sp
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax import heads
-from dspark_jax import layers
-from dspark_jax import target_model as tm
+from dspark_jax.draft import heads
+from dspark_jax.models import layers
+from dspark_jax.models import target as tm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,8 +63,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dspark_jax import fused_step
-from dspark_jax import sampling
+from dspark_jax.kernels import triton_step as fused_step
+from dspark_jax.sampling import sampler as sampling
 
 ROW_BLOCK = 64  # rows of one WGMMA instruction
 PAD_ROWS = 8  # a smaller batch, in multiples of this, is padded to ROW_BLOCK in shared memory

@@ -1,0 +1,10 @@
+"""GPU kernels for the folded draft block, and the one place that decides which backend runs.
+
+* `dispatch`: the backend decision (XLA, the Triton chain, the Hopper kernels) as a table with each
+  kernel's preconditions, typed configs, ``$DSPARK_JAX_BACKEND``.
+* `pallas_block`: a folded block computed by the kernels (the per-step Triton chain, or the Hopper
+  step kernels), given a dispatch decision.
+* `triton_step`: one Pallas (Triton) kernel per draft step: corrected logits and per-tile statistics.
+* `token_kernels`: the per-row kernels of the chain: token choice, in-tile draws, the block's noise.
+* `hopper_step`: the draft steps as Mosaic GPU kernels for Hopper GPUs (TMA, WGMMA).
+"""
