@@ -5,7 +5,8 @@
   table, a PNG plot and a JSON file (`dspark_jax.apps.evaluation`).
 * ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.apps.sampler_demo`).
 * ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
-  those shapes on the current device and prints the memory gate's decision.
+  those shapes on the current device and prints the memory gate's decision, the backend of every
+  variant and padding bucket, and the dispatch table (`dspark_jax.kernels.dispatch`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
   probe.add_argument("--rank", type=_positive, default=256)
   probe.add_argument("--mode", choices=("off", "auto", "force"), default=None)
   probe.add_argument("--headroom-gib", type=float, default=1.0)
+  probe.add_argument("--backend", choices=("auto", "xla", "triton", "hopper"), default=None,
+                     help="draft block backend (default: $DSPARK_JAX_BACKEND, else auto)")
   return parser
 
 
@@ -79,8 +82,9 @@ def probe(args) -> int:
   import jax
   import jax.numpy as jnp
 
-  from dspark_jax.draft import proposer as draft_sampler
   from dspark_jax.draft import heads
+  from dspark_jax.draft import proposer as draft_sampler
+  from dspark_jax.kernels import dispatch
 
   # The gate only needs shapes; zero weights cost nothing to make.
   head = heads.markov_head_from_arrays("vanilla", {
@@ -88,12 +92,17 @@ def probe(args) -> int:
       "w2": jnp.zeros((args.rank, args.vocab), args.dtype)})
   sampler = draft_sampler.build_draft_sampler(
       head, max_batch_size=args.max_batch_size, vocab_size=args.vocab, gamma=args.gamma,
-      logits_dtype=args.dtype, mode=args.mode, headroom_bytes=int(args.headroom_gib * 2**30))
+      logits_dtype=args.dtype, mode=args.mode, headroom_bytes=int(args.headroom_gib * 2**30),
+      backend=args.backend)
   device = jax.local_devices()[0]
   print(f"device: {device.device_kind} ({device.platform})")
   print(f"shapes: max_batch_size={args.max_batch_size} vocab={args.vocab} gamma={args.gamma} "
         f"dtype={args.dtype} rank={args.rank}")
   print(sampler.decision.summary())
+  print("backend per variant and padding bucket:")
+  for (variant, bucket), choice in sampler.backends.items():
+    print(f"  {variant:8s} B={bucket:<5d} {choice.name:7s} {choice.reason}")
+  print(dispatch.table())
   return 0
 
 
