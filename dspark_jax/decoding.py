@@ -14,7 +14,7 @@ This module owns `generate`: prompts in, tokens and decoding statistics out.
   rollback: both caches are indexed by absolute position and every read is masked to positions
   before the reader, so stale entries are overwritten before anything can see them. Finished rows
   stop committing and stop advancing.
-* **Routing** follows SPEC §5 at the batch level: an all-greedy batch runs the greedy-only variant; a
+* **Routing** (docs/memory_gate.md) at the batch level: an all-greedy batch runs the greedy-only variant; a
   batch with sampled rows runs the folded sampling variant if the memory gate (`memory_gate`) allows
   it, else the *eager* fallback, which drives the same round from Python (one host sync per round,
   the block sampled step by step by `proposal.eager_block`).
@@ -64,7 +64,7 @@ class GenerateResult:
     lengths: [B] number of generated tokens per row.
     finished: [B] bool, the row ended on a stop token.
     rounds: loop iterations (speculative rounds, or autoregressive steps) after the prefill.
-    tau: mean tokens per round per active row, accepted drafts + bonus (SPEC's τ); 1 for the baseline.
+    tau: mean tokens per round per active row, accepted drafts + bonus (τ); 1 for the baseline.
     acceptance: [γ] conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), over active
       rows and rounds; NaN where no round reached draft k (empty for the baseline).
     path: "folded-sampling", "folded-greedy", "eager" or "autoregressive".

@@ -1,4 +1,4 @@
-"""Lossless verification of a draft block against the target (SPEC §6), for mixed batches.
+"""Lossless verification of a draft block against the target (docs/exactness.md), for mixed batches.
 
 This module owns the accept/reject rule and what a round commits. `verify` takes the target's logits
 at the γ + 1 verify positions (row j = the target's distribution after the anchor and j drafts) and a

@@ -1,4 +1,4 @@
-"""The sequential ("Markov") heads and the confidence head of a DSpark draft (SPEC §3).
+"""The sequential ("Markov") heads and the confidence head of a DSpark draft (docs/design.md).
 
 Each head is a flax nnx module *and* a pure function of a plain params pytree (a dict of arrays), so the
 same math runs inside compiled programs that take the weights as arguments.

@@ -1,4 +1,4 @@
-"""The memory gate: whether the folded *sampling* variant is built, decided once at build time (SPEC §5).
+"""The memory gate: whether the folded *sampling* variant is built, decided once at build time.
 
 Modes (`FoldedSampling`), chosen by argument or by the environment variable
 ``DSPARK_JAX_FOLDED_SAMPLING`` (``off`` | ``auto`` | ``force``, any case; default ``auto``):
@@ -69,7 +69,7 @@ def resolve_mode(mode: "FoldedSampling | str | None" = None,
 
 def sampling_need_bytes(max_batch_size: int, vocab_size: int, gamma: int, logits_dtype, *,
                         store_logits: bool = True, rank: int = 0) -> int:
-  """SPEC §5's estimate: float32 noise [max_bs, V] + corrected logits [max_bs, γ, V].
+  """The estimate: float32 noise [max_bs, V] + corrected logits [max_bs, γ, V].
 
   With ``store_logits=False`` (`proposal.CompactLogits`) the logits term becomes what the block
   keeps instead: float32 log q [max_bs, γ] and the head's vectors [max_bs, γ, `rank`] (counted at
@@ -142,7 +142,7 @@ class GateDecision:
   Attributes:
     mode: the resolved `FoldedSampling` mode.
     folded_sampling: whether the sampling variant is built and used for mixed batches.
-    need_bytes: SPEC §5's estimate for the sampling buffers.
+    need_bytes: the estimate for the sampling buffers.
     free_bytes: free memory seen at build time (None if unknown or not probed).
     headroom_bytes: the margin AUTO demands beyond `need_bytes`.
     compiled_bytes: XLA's memory analysis of the compiled sampling variant at the largest bucket

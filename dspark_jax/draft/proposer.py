@@ -7,7 +7,7 @@ including, ``max_batch_size``), so steady-state proposing never recompiles:
 * **greedy-only** variant: always built;
 * **sampling** variant (mixed greedy + sampled rows, emits corrected logits): built iff the gate says so.
 
-`DraftSampler.propose` routes a batch (SPEC §5): all-greedy -> folded greedy-only; with sampled rows ->
+`DraftSampler.propose` routes a batch: all-greedy -> folded greedy-only; with sampled rows ->
 folded sampling if enabled, else the eager loop. The path taken is recorded on the block (`block.path`).
 Batches are padded with greedy filler rows to the next bucket; because every row's randomness depends
 only on its own (seed, position), padding never changes a real row's tokens.
@@ -182,7 +182,7 @@ class DraftSampler:
   def propose(self, base_logits: jax.Array, anchor: jax.Array, hidden: jax.Array | None,
               params: sp.SamplingParams, key: jax.Array, positions: jax.Array
               ) -> proposal.DraftBlock:
-    """Proposes a block (see `proposal.sample_block` for the arguments) on the path SPEC §5 picks.
+    """Proposes a block (see `proposal.sample_block` for the arguments) on the path the gate picks.
 
     Raises:
       ValueError: more rows than `max_batch_size`, a vocab / γ / dtype mismatch, or any bad input.

@@ -1,8 +1,7 @@
 """Draft steps as Hopper kernels (Pallas' Mosaic GPU backend), for batches of 64 rows and more.
 
-From 64 rows `fused_step`'s Triton kernel keeps L2 busy while DRAM runs at half its peak on an
-H200 (BENCHMARKS.md, issue 6): every instance re-reads the Markov vectors ``v`` and, with two row
-blocks, W2 from L2, and its loads are plain per-thread loads. These kernels are the other design:
+The Triton step kernel (`triton_step`) re-reads the Markov vectors ``v`` and, with several row
+blocks, W2 from L2 with plain per-thread loads. These kernels are the other design:
 
 * a fixed grid of `programs` instances (one per multiprocessor), each keeping all B rows of ``v``
   [B, r] in shared memory for the whole step (loaded once, by the tensor memory accelerator, TMA);
@@ -18,38 +17,21 @@ best over the instance's tiles, so one pair per instance and row leaves the kern
 reduces the P pairs (`tokens`). `sampling_partials` is the sampling variant's: 128-column tiles
 (`sampling.vocab_tile`, the two-level sampler's) computed as 64-column parts, the corrected logits
 written in place into a [B, γ, V] buffer through shared memory and TMA (a mutable ``jax.Ref``,
-`new_corrected`), and every tile's key (a sampled row's the tile's log-mass, as `fused_step` without
-draws, a greedy row's the tile's max) stored tile-major, so that `token_kernels.draw_tokens` adds
-the tiles' noise, chooses the tile and draws inside it, as for the Triton kernel, and finds a greedy
-row's first max in its chosen tile. Both take the vectors [B, r] (64 KB at B = 128): ``W1[x]``
-gathered in XLA, or for a vanilla head's sampling steps written by the token choice before
-(`token_kernels.draw_tokens`' ``w1``); B a multiple of 64 (the tensor cores' row block; the
-sampling step also pads a multiple of 8 below it). Both
-read W2 as [r, V] or, faster, part by part (`w2_parts`: each 64-column part one run of memory).
-Maxima are float maxima that a NaN wins (``max.NaN.f32``), compared across tiles as `fused_step`'s
-integer keys (NaN first, -0 = +0), so tokens are the other forms', up to the order in which
-``v @ W2`` is summed; in the benchmark runs tokens and corrected logits equalled the Triton
-kernels' everywhere. A tile's log-mass is summed in base 2 (`_tile_log_mass`) with the GPU's
-approximate ``ex2``, so it can differ from XLA's in the last bits (within 1e-5 in the tests).
+`new_corrected`), and every tile's key (a sampled row's the tile's log-mass, a greedy row's the
+tile's max) stored tile-major, so that `token_kernels.draw_tokens` adds the tiles' noise, chooses
+the tile and draws inside it, and finds a greedy row's first max in its chosen tile. With 128 rows
+and more two warpgroups split the rows, running one copy of the code.
 
-On an H200 (BENCHMARKS.md, issue 6) both are the defaults on a Hopper GPU where
-`proposal.hopper_by_default` says so (greedy-only from 128 rows, sampling from 64);
-``pallas_options=(("hopper", False),)`` keeps the Triton kernel. At session 13's defaults, on an
-H200 at V = 129280, greedy-only takes 255 µs at B = 128 and sampling 243 and 329 µs at B = 64 and
-128; in session 11's run the Hopper sampling path took 259 and 355 µs where the Triton path took
-275 and 426. The sampling kernel's design
-choices, each measured (BENCHMARKS.md, issue 6, versions 19-38): 64-column parts per pipeline stage,
-each written back over its U_k part; two warpgroups splitting the rows from 128 rows, running one
-copy of the code (the consumer's index traced: a copy per warpgroup made the code too large to
-cache); the log-mass in base 2 and float maxima; greedy rows' first argmax left to the token
-choice; a tile's two products started together with one warpgroup; W2 part by part. Below 64 rows
-the sampling step also takes a batch in multiples of 8, padded to 64 rows in shared memory
-(opt-in: slower than the Triton chain there, 193 against 158 µs at B = 8, V = 129280; version
-39). Tests run both kernels in Mosaic GPU's CPU interpreter, where their tokens
-and logits equal the loop form's bit for bit (the two-warpgroup form only when asked for:
-`sampling_partials`). `scripts/hopper_probe.py` times the greedy kernel,
-`scripts/hopper_kernels.py` the sampling kernels alone, `scripts/resident_probe.py` the pieces of a
-persistent kernel for all steps.
+Preconditions (checked by `dspark_jax.kernels.dispatch` before either is chosen): a Hopper GPU (or
+Mosaic GPU's CPU interpreter), bfloat16 W2 and logits, B a multiple of 64 (the tensor cores' row
+block), r and V multiples of 64, and buffers that fit shared memory (`sampling_smem_bytes`). Both
+read W2 as [r, V] or part by part (`w2_parts`: each 64-column part one run of memory).
+
+Exactness: maxima are float maxima that a NaN wins, compared across tiles as integer keys (NaN
+first, -0 = +0), so tokens follow the other backends' rules; ``v @ W2`` is summed in the tensor
+cores' order, so a corrected logit can differ from XLA's in its last bit. A tile's log-mass is
+summed in base 2 (`_tile_log_mass`) with the GPU's approximate ``ex2``, so it can differ from XLA's
+in the last bits. The law is the same: the tokens are exact draws from the logits the kernel stores.
 """
 
 from __future__ import annotations
@@ -217,8 +199,8 @@ def greedy_partials(v, w2, base_logits, *, step, tile=64, programs=None, stages=
   order (or, with `reverse`, the same walk from the last tile down: `_tile_walk`) and keeps, per
   row, the best (integer key, column) pair it has seen, the column the first of equal maxima
   (`_best_over_tiles`). One pair per
-  instance and row leaves the kernel, [P, B], which XLA reduces in ~2 µs (per-tile pairs, [V/64, B],
-  took 15 µs to reduce on an H200).
+  instance and row leaves the kernel, [P, B], which XLA reduces cheaply (per-tile pairs, [V/64, B],
+  would cost a reduction several times longer).
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64.
@@ -344,9 +326,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
 
   Args:
     v: [B, r] the Markov vectors (cast to W2's dtype); B a multiple of 64 that shared memory holds
-      (`sampling_stages`: up to 128 rows at r = 256), or with one consumer a multiple of 8 below
-      64: the kernel then computes 64 rows and reads and writes the first B (an experiment: below
-      64 rows the Triton kernel is the default, and this form has not been timed yet).
+      (`sampling_stages`: up to 128 rows at r = 256).
     w2: [r, V], or part by part [V / 64, r, 64] (`w2_parts`, faster).
       base_logits: [B, γ, V] (slice `step` is read).
     corrected: a ``jax.Ref`` [B, γ, V] of the logits' dtype in GPU global memory
@@ -359,13 +339,12 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
       128, except in the interpreter, whose threads can stall one another on a small host).
     reread: static, two consumers: the tile's exp sum reads the parts' rounded logits back from
       shared memory (else, the default, the first part's stay in registers while the second is
-      computed: faster on an H200, 51.9 against 54.8 µs per step at B = 128).
+      computed: faster).
     reverse: static, walk the tiles from the last one down (`greedy_partials`); the pairs' rows
       then come in that order too.
     overlap: static, a tile's parts' products start together (two accumulators; `stages` >= the
       tile's parts + 1), so that the tensor cores work on the second during the first part's
-      epilogue (None: with one consumer, where it was faster on an H200, 1-2 % at B = 64; with
-      two it was 5-8 % slower at B = 128: BENCHMARKS.md, issue 6, version 36).
+      epilogue (None: with one consumer, where it was faster; with two it was slower).
     argmax: static, greedy rows' tokens are their tiles' first argmax (else the tile's first
       column, as a sampled row's: ``draw_tokens(greedy_in_tile=True)`` finds the first max in
       the chosen tile; the kernel then skips five instructions per element and stores no tokens).
@@ -384,7 +363,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
     raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= {PART}")
   itemsize = jnp.dtype(w2.dtype).itemsize
   tiles, programs, per_program = _grid(v, base_logits, tile, 1, programs, interpret,
-                                       padded_rows=True)
+                                       padded_rows=False)
   rows = max(batch, ROW_BLOCK)  # the rows the kernel computes (a smaller batch: padded)
   if stages is None:
     stages = max(sampling_stages(rows, rank, per_program, itemsize), 1)
@@ -403,7 +382,7 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   if consumers == 2 and stages < max(parts, 2):  # a slot is refilled after the next part's store
     raise ValueError(f"stages: two consumers need >= {max(parts, 2)} for {tile}-column tiles, "
                      f"got {stages}")
-  if overlap is None:  # measured: faster with one consumer, slower with two (version 36)
+  if overlap is None:  # measured: faster with one consumer, slower with two
     overlap = consumers == 1 and stages >= parts + 1
   if overlap and stages < parts + 1:  # a tile's parts all in shared memory, the next one coming
     raise ValueError(f"stages: overlap needs >= {parts + 1} for {tile}-column tiles, got {stages}")
@@ -459,8 +438,8 @@ def _sampling_scratch(rows, rank, stages, per_program, consumers, w2_dtype, logi
 def w2_parts(w2):
   """W2 [r, V] stored part by part: [V / 64, r, 64], each 64-column part (`PART`) one contiguous
   32 KB block at r = 256 where [r, V] spreads it over r rows 2·V bytes apart. Both kernels take
-  either form; from parts the copies read DRAM in long runs, 1-5 % faster on an H200
-  (BENCHMARKS.md, issue 6, version 37). `proposal.prepare_head_arrays` adds it to a head's arrays."""
+  either form; from parts the copies read DRAM in long runs (faster).
+  `pallas_block.prepare_head_arrays` adds it to a head's arrays."""
   rank, vocab = w2.shape
   if vocab % PART:
     raise ValueError(f"w2: V = {vocab} is not a multiple of {PART}")
@@ -494,8 +473,8 @@ def _tile_log_mass(xs, tile_max, temp, axis=1):
   """`sampling.tile_log_mass` of a tile from its parts' float32 logits `xs` and its max m, the sum
   taken part by part and in base 2: ``exp((x - m) / T) = 2^((x - m) · log2(e) / T)``, a subtraction,
   a multiply by a per-row constant and ``ex2`` per element, where the division and ``exp`` cost
-  several instructions more (the max's own term is still exactly 1; BENCHMARKS.md, issue 6,
-  version 33). ``axis=0``: the parts are [tile, B] (`hopper_block`)."""
+  several instructions more (the max's own term is still exactly 1).
+  ``axis=0``: the parts are [tile, B]."""
   shift = jnp.where(jnp.abs(tile_max) < jnp.inf, tile_max, 0.0)  # isfinite
   scale = _LOG2_E / temp
   mass = sum(jnp.sum(jnp.exp2((x - _by_row(shift, x.shape, axis))
@@ -641,8 +620,7 @@ def _two_consumers(*, rows, tile, parts, tiles, programs, per_program, stages, s
   Both warpgroups run one copy of the code, with their index ``c`` a traced value: each has its
   own buffers on a leading axis of the shared-memory scratch (`_sampling_scratch`), and only
   consumer 0 refills the W2 slots. (A copy of the code per consumer, as before, doubled the
-  kernel's code: on an H200 warps then spent half their stalled cycles waiting for instructions,
-  and the step kernel took 81 µs instead of 53 at B = 128.)
+  kernel's code: warps then spent much of their time waiting for instructions.)
   """
   total = per_program * parts  # parts an instance visits
   share = rows // 2            # rows per consumer

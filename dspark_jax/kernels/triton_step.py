@@ -1,6 +1,6 @@
 """A draft step in Pallas: the corrected logits and everything the token choice needs, in one pass.
 
-Step k of the block (SPEC §3) needs ``L_k = U_k + v_k @ W2`` (v_k from the Markov head), stored in the
+Step k of the block needs ``L_k = U_k + v_k @ W2`` (v_k from the Markov head), stored in the
 logits dtype, and then a token drawn from the stored values. Written in XLA, the bias ``v @ W2``
 leaves cuBLAS as a float32 [B, V] array that the add, the store and the sampler read back; here one
 kernel per (row block, vocabulary tile) does it all while the tile is in registers:
@@ -28,10 +28,8 @@ XLA (`sampling.tokens_in_chosen_tiles`). The draws cost arithmetic on every logi
 small batches only. HBM sees W2, U_k and the corrected logits once each per step, the floor's traffic (row
 blocks after the first find their W2 tile in L2: they run next to each other). W2 is larger than an
 H200's L2, so odd steps walk the tiles backwards (``serpentine``) and start on the tiles the step
-before left in L2, and loads carry cache hints that keep W2 and stream the rest. On an H200
-(BENCHMARKS.md, issue 6) whole programs run at 1.1-1.3x that floor for greedy-only and 1.24-2.0x
-for sampling; at large batches the kernels are latency-bound (128-204 registers per thread leave
-8-12 warps per SM, and L2 is 70 % busy). Row maxima use integer keys that
+before left in L2, and loads carry cache hints that keep W2 and stream the rest (BENCHMARKS.md
+has the measured × floor). Row maxima use integer keys that
 order like the floats (`order_keys`): Triton's float max drops NaN, and the keys need two
 reductions where explicit NaN handling needs four.
 
@@ -162,7 +160,7 @@ def one_tile(j, v, w1_ref, w2_ref, base_ref, temp_ref, noise_ref, greedy_ref, co
   and store then comes after the wait. The sampling variant has `greedy_ref`; with `noise_ref`
   None a sampled row's key is the tile's log-mass alone. (Its row inputs load after the rank
   loop: loaded before it, they held registers through it and were slower on an H200,
-  BENCHMARKS.md, issue 6, version 31.)
+  BENCHMARKS.md.)
   """
   col0 = j * tile
   cols, row_slice = pl.ds(col0, tile), pl.ds(row0, rows)

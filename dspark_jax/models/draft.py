@@ -1,4 +1,4 @@
-"""The DSpark draft (SPEC §2-3): a parallel block backbone over target context, plus its heads.
+"""The DSpark draft (docs/design.md): a parallel block backbone over target context, plus its heads.
 
 This module owns the draft model, as flax nnx modules:
 

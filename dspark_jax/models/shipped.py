@@ -36,7 +36,7 @@ RECIPE = {
               "0.01), warm-up 4 %, cosine to 10 %, grad-norm 1.0",
     "draft_data": "64-token train-split prompts continued by the target for 192 tokens, half greedy, "
                   "half T = 1",
-    "draft": "SPEC §8: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position weights exp(-(k-1)/4), "
+    "draft": "docs/design.md: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position weights exp(-(k-1)/4), "
              "block 7, 8 random anchors per sequence in the generated part, vanilla sequential head",
     "ablation": "the same without the sequential head (W2 = 0: a DFlash-style parallel drafter), same "
                 "data, steps and seed",

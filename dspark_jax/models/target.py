@@ -9,7 +9,7 @@ slots lie beyond the committed length and are overwritten before any query can s
 
 The call also returns the hidden states of configured layers (`TargetConfig.feature_layers`; index -1
 is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
-context features a DSpark draft reads (SPEC §2).
+context features a DSpark draft reads (docs/design.md).
 """
 
 from __future__ import annotations

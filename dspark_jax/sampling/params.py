@@ -1,7 +1,7 @@
 """Per-request sampling parameters: the `SamplingParams` pytree, its validation and normalisation.
 
 This module owns what a *row* of a batch asks for (temperature, top-k, top-p, seed) and the rules that
-turn those numbers into the two facts the samplers need (SPEC §4):
+turn those numbers into the two facts the samplers need (docs/exactness.md):
 
 * a row is **greedy** iff ``temperature < GREEDY_TEMPERATURE`` or ``top_k == 1``;
 * the **draft temperature** of a row is its temperature clamped to ``>= GREEDY_TEMPERATURE``.
@@ -196,7 +196,7 @@ def _xp(*values):
 
 
 def greedy_mask(temperature: jax.Array, top_k: jax.Array) -> jax.Array:
-  """[B] bool: SPEC §4's greedy rule, ``temperature < 1e-5`` or ``top_k == 1``."""
+  """[B] bool: the greedy rule, ``temperature < 1e-5`` or ``top_k == 1``."""
   xp = _xp(temperature, top_k)
   return (xp.asarray(temperature) < GREEDY_TEMPERATURE) | (xp.asarray(top_k) == 1)
 

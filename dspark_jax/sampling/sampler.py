@@ -213,7 +213,7 @@ def tile_log_mass(x: jax.Array, tile_max: jax.Array, temperature: jax.Array) -> 
   The max is taken out before the exp; a tile of only ``-inf`` gives ``-inf``, a NaN gives NaN and a
   ``+inf`` gives ``+inf``. `fused_step`'s kernel evaluates this same expression; `hopper_step`'s
   the same sum in base 2 (``2^((x - m) · log2(e) / T)``, fewer instructions there; slower in the
-  Triton kernel: BENCHMARKS.md, issue 6, version 33).
+  Triton kernel: BENCHMARKS.md).
   """
   shift = jnp.where(jnp.isfinite(tile_max), tile_max, 0.0) / temperature
   mass = jnp.sum(jnp.exp(x / temperature[..., None] - shift[..., None]), axis=-1)
@@ -410,7 +410,7 @@ def sample_step(logits: jax.Array, params: sp.SamplingParams, key: jax.Array, po
                 *, stream: int = Stream.DRAFT) -> jax.Array:
   """Samples one token per row of a mixed greedy/sampled batch in one compiled program.
 
-  Greedy rows (SPEC §4) return ``argmax(logits)`` (ties -> smallest index). Every other row returns an
+  Greedy rows return ``argmax(logits)`` (ties -> smallest index). Every other row returns an
   exact sample of ``softmax(logits / T)``, T clamped to ``>= 1e-5``; top-k and top-p are not applied
   (draft sampling ignores them). Row b's randomness depends on ``(key, params.seed[b], positions[b],
   stream)`` only.

@@ -1,4 +1,4 @@
-"""The target's per-row sampling law (SPEC §6): temperature, then top-k, then top-p.
+"""The target's per-row sampling law (docs/exactness.md): temperature, then top-k, then top-p.
 
 This module owns the distribution a request asks the *target* to sample from, and exact sampling from
 it (the autoregressive baseline and the verifier's bonus tokens both draw from this law):
@@ -13,7 +13,7 @@ it (the autoregressive baseline and the verifier's bonus tokens both draw from t
 is always a prefix of one total order and is never ambiguous. The truncation sorts the vocabulary, so
 it runs (under `lax.cond`) only when some row of the batch truncates.
 
-Greedy rows (SPEC §4) are not this module's business: their law is the point mass on
+Greedy rows (docs/exactness.md) are not this module's business: their law is the point mass on
 ``argmax(logits)``; `sample_target` handles both kinds of row.
 """
 

@@ -1,13 +1,13 @@
 """Exact reference laws and the goodness-of-fit statistic behind every distribution check.
 
 This module owns the *independent* side of the distribution tests: plain NumPy float64 evaluations of
-the math in SPEC §3 and §6, written without JAX and without sharing code with the implementation, and
+the math in docs/exactness.md, written without JAX and without sharing code with the implementation, and
 the Pearson chi-square used to compare observed counts with them. The test suite and
 ``notebooks/distribution_checks.ipynb`` both use it, so a researcher can rerun every proof.
 
-* SPEC §3: `head_bias`, `confidence`, `corrected_logits` (one row, teacher-forced), `block_law` (the
+* heads: `head_bias`, `confidence`, `corrected_logits` (one row, teacher-forced), `block_law` (the
   exact joint law of a drafted block, by enumeration).
-* SPEC §6: `target_probs` (temperature, top-k, top-p of one row) and `chain_law` (the exact law of the
+* verification: `target_probs` (temperature, top-k, top-p of one row) and `chain_law` (the exact law of the
   next L tokens of a Markov target, greedy or sampled, with stop tokens).
 * `chi_square`: Pearson's statistic with small cells pooled.
 """
@@ -33,7 +33,7 @@ def softmax(x):
 
 
 def head_bias(kind, arrays, prev, hidden, state):
-  """SPEC §3 for one row: returns (bias [V], e [r], new_state [r]) in float64."""
+  """The head of one row (docs/design.md): returns (bias [V], e [r], new_state [r]) in float64."""
   a = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
   e = a["w1"][prev]
   if kind == "vanilla":
@@ -92,7 +92,7 @@ def block_law(kind, arrays, base, anchor, hidden, temperature):
 
 
 def target_probs(logits, temperature, top_k=0, top_p=1.0):
-  """SPEC §6 for one row: softmax(logits / T), then top-k, then top-p on the renormalised top-k law.
+  """One row's target law: softmax(logits / T), then top-k, then top-p on the renormalised top-k law.
 
   "Most likely" orders by the scaled logit, ties by the smaller token id. Returns float64 [V].
   """

@@ -1,4 +1,4 @@
-"""Training: the target's language-model loss, the DSpark drafter loss (SPEC §8), and the loop.
+"""Training: the target's language-model loss, the DSpark drafter loss (docs/design.md), and the loop.
 
 This module owns how weights are learned:
 
@@ -59,7 +59,7 @@ def _gather_rows(x, index):
 
 def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array,
                 anchors: jax.Array, *, use_markov: bool = True) -> tuple[jax.Array, dict]:
-  """The drafter loss of SPEC §8 on [N, L] sequences with [N, A] anchor positions.
+  """The drafter loss of docs/design.md on [N, L] sequences with [N, A] anchor positions.
 
   Anchors must satisfy ``1 <= anchor <= L - γ - 1``: the block predicts tokens anchor+1..anchor+γ.
 
