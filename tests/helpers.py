@@ -69,3 +69,53 @@ def edge_rows(batch, gamma, vocab, nan_at, tie_at, seed=12, tie_value=50.0):
   base[4:6, :, list(tie_at)] = tie_value
   return base
 
+
+
+def assert_blocks_agree(ref, other, *, what="block"):
+  """Two differently compiled programs' blocks of the same draft agree as far as floats allow.
+
+  `ref` and `other` are ``(tokens [B, γ], corrected [B, γ, V] | None, ...)``. Bit equality of floats
+  between differently compiled programs (XLA against a kernel in Pallas' interpreter, or two kernel
+  forms) depends on the host's instruction set, so this asserts what holds on every machine. Per row,
+  up to the first step whose drafted tokens differ: the corrected logits agree to one unit in the
+  last place of their dtype (NaN where NaN, equal infinities), and where a step's logits are bit for
+  bit equal, its token is equal (the draw is integer and selection logic on equal values and equal
+  noise). Without logits (greedy-only blocks) tokens are compared as a whole: at least half the rows
+  must draft the same tokens through the whole block (near-ties may go either way), which also keeps
+  the check from passing vacuously. The law of each program is checked by the law tests.
+  """
+  tokens_a, tokens_b = np.asarray(ref[0]), np.asarray(other[0])
+  assert tokens_a.shape == tokens_b.shape, f"{what}: token shapes {tokens_a.shape} {tokens_b.shape}"
+  logits_a = None if ref[1] is None else np.asarray(ref[1], np.float32)
+  logits_b = None if other[1] is None else np.asarray(other[1], np.float32)
+  assert (logits_a is None) == (logits_b is None), f"{what}: one block has no corrected logits"
+  dtype = None if ref[1] is None else np.dtype(getattr(ref[1], "dtype", np.float32))
+  ulp = 2.0 ** -(np.finfo(dtype).nmant) if dtype is not None else 0.0
+  whole_rows = 0
+  for row in range(tokens_a.shape[0]):
+    for step in range(tokens_a.shape[1]):
+      if logits_a is not None:
+        a, b = logits_a[row, step], logits_b[row, step]
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"{what}: row {row} "
+                                      f"step {step}: NaN positions differ")
+        finite = np.isfinite(a) & np.isfinite(b)
+        np.testing.assert_array_equal(a[~finite & ~np.isnan(a)], b[~finite & ~np.isnan(a)],
+                                      err_msg=f"{what}: row {row} step {step}: infinities differ")
+        scale = np.maximum(np.abs(a[finite]), np.abs(b[finite]))
+        np.testing.assert_array_less(np.abs(a[finite] - b[finite]), ulp * scale + 1e-30 + (scale == 0),
+                                     err_msg=f"{what}: row {row} step {step}: logits differ by "
+                                     "more than one unit in the last place")
+        same = np.array_equal(a, b, equal_nan=True)
+      else:  # greedy-only: no logits to compare; near-ties may go either way
+        same = False
+      if same:
+        assert tokens_a[row, step] == tokens_b[row, step], (
+            f"{what}: row {row} step {step}: equal logits but tokens {tokens_a[row, step]} != "
+            f"{tokens_b[row, step]}")
+      if tokens_a[row, step] != tokens_b[row, step]:
+        break
+    else:
+      whole_rows += 1
+  rows = tokens_a.shape[0]
+  assert 2 * whole_rows >= rows, (
+      f"{what}: only {whole_rows} of {rows} rows drafted the same tokens through the whole block")
