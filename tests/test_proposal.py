@@ -1,4 +1,12 @@
-"""Block sampling: exact joint laws, folded == eager bit for bit, key streams, input checks."""
+"""Block sampling: exact joint laws, folded and eager agree, the backends agree, key streams, input
+checks.
+
+Blocks from differently compiled programs (the XLA loop against the unrolled form or a kernel in
+Pallas' interpreter, folded against eager, one batch against another) are compared with
+`helpers.assert_blocks_agree`, not bit for bit: the last bits of a float program depend on the
+host's instruction set (FMA, vector width). Exact equality is asserted where it holds on every host:
+integer and selection logic on identical inputs, the same program run twice, and special rows (all
+-inf, NaN, exact ties)."""
 
 import itertools
 
@@ -9,14 +17,37 @@ import pytest
 
 import dspark_jax as dj
 from dspark_jax.testing import law_checks as reference
-from dspark_jax import fused_block
+from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import triton_step as fused_step
 from dspark_jax.draft import block as proposal
 from dspark_jax.sampling import sampler as sampling
 from dspark_jax.kernels import token_kernels
 from tests import helpers, stats
 
+
 KINDS = ("vanilla", "gated", "rnn")
+
+
+def _outputs(block):
+  """A `DraftBlock` as the ``(tokens, corrected, confidence)`` triple `folded_block` returns."""
+  return block.tokens, block.corrected_logits, block.confidence
+
+
+def _assert_agree(ref, other, what):
+  """`helpers.assert_blocks_agree`, and the confidence (third output) close wherever it reads the
+  same tokens: step k's confidence reads x_{k-1} and the head's state, so rows are compared up to
+  their first differing token."""
+  helpers.assert_blocks_agree(ref, other, what=what)
+  a, b = ref[2], other[2]
+  assert (a is None) == (b is None), f"{what}: one block has no confidence"
+  if a is None:
+    return
+  tokens_a, tokens_b = np.asarray(ref[0]), np.asarray(other[0])
+  same = np.concatenate([np.ones((len(tokens_a), 1), bool), tokens_a[:, :-1] == tokens_b[:, :-1]],
+                        axis=1)
+  same = np.logical_and.accumulate(same, axis=1)
+  np.testing.assert_allclose(np.asarray(a)[same], np.asarray(b)[same], rtol=1e-5, atol=1e-6,
+                             err_msg=f"{what}: confidence")
 
 
 @pytest.mark.parametrize("kind,temperature", [("vanilla", 1.0), ("gated", 0.7), ("rnn", 1.6)])
@@ -61,7 +92,9 @@ def test_block_joint_law_equals_enumerated_law(kind, temperature):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_folded_equals_eager_bit_for_bit(kind, dtype):
+def test_folded_agrees_with_eager(kind, dtype):
+  # Folded and eager run the same step function in two compiled programs: their blocks agree as far
+  # as floats allow (`helpers.assert_blocks_agree`); the same program run twice is bit for bit.
   batch, gamma, vocab, rank, hidden = 6, 7, 300, 16, 12
   head = dj.markov_head_from_arrays(
       kind, {k: jnp.asarray(v, dtype) for k, v in helpers.head_arrays(kind, vocab, rank, hidden).items()})
@@ -75,13 +108,21 @@ def test_folded_equals_eager_bit_for_bit(kind, dtype):
   folded = dj.sample_block(*args, confidence_head=conf)
   eager = dj.sample_block_eager(*args, confidence_head=conf)
   assert folded.path == "folded-sampling" and eager.path == "eager"
-  helpers.assert_same_block(folded, eager)
+  assert folded.backend.backend is dispatch.Backend.XLA  # "auto" on the CPU
+  _assert_agree(_outputs(eager), _outputs(folded), f"folded vs eager, {kind}")
   assert folded.corrected_logits.dtype == dtype
+  again = dj.sample_block(*args, confidence_head=conf)
+  for x, y in zip(_outputs(folded), _outputs(again)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   greedy_only = dj.sample_block(*args, confidence_head=conf, greedy_only=True)
   assert greedy_only.corrected_logits is None and greedy_only.path == "folded-greedy"
-  # Greedy rows draft the same tokens in both variants.
+  # Greedy rows draft the same tokens in both variants (two programs: near-ties may go either way,
+  # so at least half the greedy rows whole, `helpers.assert_blocks_agree` without logits).
   mask = np.asarray(params.greedy_mask)
-  np.testing.assert_array_equal(np.asarray(greedy_only.tokens)[mask], np.asarray(folded.tokens)[mask])
+  assert mask.sum() == 3
+  helpers.assert_blocks_agree((np.asarray(folded.tokens)[mask], None),
+                              (np.asarray(greedy_only.tokens)[mask], None),
+                              what=f"greedy rows, sampling vs greedy-only variant, {kind}")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,6 +146,8 @@ def test_block_step_k_is_sample_step_at_position_plus_k(kind, dtype):
 
 
 def test_rows_are_independent_of_batch_composition():
+  # Another batch (or another row order) is another program or other inputs to its product: the
+  # rows agree with the full batch's as far as floats allow (`helpers.assert_blocks_agree`).
   vocab, gamma = 50, 4
   head = helpers.make_head("rnn", vocab, 8, 5)
   rng = np.random.default_rng(0)
@@ -114,13 +157,15 @@ def test_rows_are_independent_of_batch_composition():
   seeds = np.array([11, 12, 13, 14, 15, 16])
 
   def run(idx):
-    return np.asarray(dj.sample_block(head, jnp.asarray(base[idx]), jnp.asarray(idx), jnp.asarray(h[idx]),
-                                      dj.SamplingParams(temperature=temperature[idx], seed=seeds[idx]),
-                                      jax.random.key(3), jnp.asarray(idx) * 7).tokens)
+    block = dj.sample_block(head, jnp.asarray(base[idx]), jnp.asarray(idx), jnp.asarray(h[idx]),
+                            dj.SamplingParams(temperature=temperature[idx], seed=seeds[idx]),
+                            jax.random.key(3), jnp.asarray(idx) * 7)
+    return np.asarray(block.tokens), np.asarray(block.corrected_logits)
 
   full = run(np.arange(6))
-  np.testing.assert_array_equal(run(np.array([4, 0, 2])), full[[4, 0, 2]])
-  np.testing.assert_array_equal(run(np.array([5, 4, 3, 2, 1, 0])), full[::-1])
+  for idx in ([4, 0, 2], [5, 4, 3, 2, 1, 0]):
+    helpers.assert_blocks_agree(tuple(x[idx] for x in full), run(np.array(idx)),
+                                what=f"rows {idx} vs the full batch")
 
 
 def test_inputs_are_not_mutated():
@@ -159,23 +204,36 @@ def test_sample_block_rejects_bad_inputs(edit, match):
     dj.sample_block(head, **edit(_inputs()))
 
 
-# The kernel's non-default paths (tiles walked in order on every step, no cache hints too).
-XLA_CHOICE = (("w1_in_kernel", False), ("draws", False), ("serpentine", False),
-              ("cache_hints", False))
-TILE_DRAWS = (("draws", True),)  # the default below 64 rows, forced for the large law tests
-XLA_DRAW = (("draws", False), ("choice", False))  # XLA reduces, then draws in the chosen tile
-CHOICE = (("choice", True),)  # the token choice draws (`token_kernels.draw_tokens`), from 64 rows
-PERSISTENT = (("persistent", True),)  # the whole block in one `fused_block` kernel
-PDL = (("pdl", True),)  # kernels chained by programmatic dependent launch (a no-op on the CPU)
+LOOP = ("xla", dispatch.XlaConfig(form="loop"))
+# Every tile draws its token in the step kernel: the default below 64 rows, forced for law tests.
+TILE_DRAWS = dispatch.TritonConfig(tile_draws=True)
+# No tile draws: the token choice draws in the chosen tile (`token_kernels.draw_tokens`).
+CHOICE = dispatch.TritonConfig(tile_draws=False)
+# Kernels chained by programmatic dependent launch (a no-op in the interpreter).
+PDL = dispatch.TritonConfig(pdl=True)
+
+
+def _folded(head_params, conf_params, base, rows, hidden, key, kind, greedy_only, backend, config,
+            store_logits=True):
+  return proposal.folded_block(
+      head_params, conf_params, base, rows["anchor"], hidden, rows["greedy"], rows["temperature"],
+      rows["seeds"], rows["positions"], key, kind=kind, greedy_only=greedy_only, backend=backend,
+      config=config, store_logits=store_logits)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("form,options", [("unrolled", ()), ("pallas", ()),
-                                          ("pallas", XLA_CHOICE)])
-def test_every_folded_form_equals_the_loop(kind, form, options):
-  # On the CPU the forms are bit-identical (the kernel runs in Pallas' interpreter); on a GPU the
-  # kernel sums v @ W2 in its own order, so corrected logits agree to bf16 rounding and tokens may
-  # differ at near-ties (the law is checked separately: test_pallas_form_block_law).
+@pytest.mark.parametrize("backend,config", [
+    ("xla", dispatch.XlaConfig(form="unrolled")),
+    pytest.param("triton", None, marks=pytest.mark.kernel),
+    pytest.param("triton", CHOICE, marks=pytest.mark.kernel),
+], ids=["unrolled", "triton", "triton-choice"])
+def test_every_folded_form_agrees_with_the_loop(kind, backend, config):
+  # Each form against the XLA loop, as far as floats allow (`helpers.assert_blocks_agree`): the
+  # forms are other programs (the kernel runs in Pallas' interpreter on the CPU; on a GPU it sums
+  # v @ W2 in its own order), so a corrected logit may differ in its last bit and a near-tie go the
+  # other way (the law is checked separately: test_pallas_form_block_law). With a confidence head
+  # XLA gathers W1[x_prev]; 5 rows: every tile draws in the step kernel, or (CHOICE) the token
+  # choice draws in the chosen tile.
   batch, gamma, vocab, rank, hidden = 5, 4, 192, 16, 6
   head = helpers.make_head(kind, vocab, rank, hidden)
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
@@ -185,26 +243,19 @@ def test_every_folded_form_equals_the_loop(kind, form, options):
   params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0])
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 7)
   for greedy_only in (False, True):
-    outs = [proposal.folded_block(
-        head.arrays(), conf.arrays(), base, rows["anchor"], h, rows["greedy"], rows["temperature"],
-        rows["seeds"], rows["positions"], jax.random.key(4), kind=kind, greedy_only=greedy_only,
-        form=f, pallas_options=o) for f, o in (("loop", ()), (form, options))]
-    for a, b in zip(*outs):
-      assert (a is None) == (b is None)
-      if a is not None:
-        if jax.default_backend() == "cpu":
-          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        elif a.dtype != jnp.int32:
-          np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                     rtol=2**-7, atol=1e-6)
+    loop, other = [_folded(head.arrays(), conf.arrays(), base, rows, h, jax.random.key(4), kind,
+                           greedy_only, b, c) for b, c in (LOOP, (backend, config))]
+    assert (loop[1] is None) == greedy_only
+    _assert_agree(loop, other, f"{backend} {config} vs the loop, {kind}, greedy_only={greedy_only}")
 
 
-@pytest.mark.parametrize("kind,temperature,options", [
-    ("vanilla", 1.0, ()),            # 64k rows: the token choice draws (`draw_tokens`)
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind,temperature,config", [
+    ("vanilla", 1.0, None),          # 64k rows: the token choice draws (`draw_tokens`)
     ("gated", 0.6, TILE_DRAWS),      # every tile draws in the kernel; v from XLA
     ("vanilla", 0.8, TILE_DRAWS),    # ... with W1 gathered in the kernel
-])
-def test_pallas_form_block_law(kind, temperature, options):
+], ids=["vanilla-choice", "gated-tile-draws", "vanilla-tile-draws"])
+def test_pallas_form_block_law(kind, temperature, config):
   # The kernel form's own law (on a GPU its arithmetic differs from XLA's; on the CPU it runs in the
   # interpreter). N = 60,000 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so
   # the two-level draw crosses tiles), γ = 2: the law of (x1, x2) over 2,304 outcomes. Statistic:
@@ -212,8 +263,9 @@ def test_pallas_form_block_law(kind, temperature, options):
   # threshold p >= 1e-3. Power: the law at 1.15 x the temperature must be rejected (p < 1e-6).
   # The 64,096 rows are drafted in 32 calls of 2,003 rows (the same rows, seeds, positions and key;
   # a row's draws depend on (key, seed, position) only, test_rows_are_independent_of_batch_composition,
-  # so these are the tokens one 64,096-row call draws, bit for bit). Each call still has >= 64 rows,
-  # so the kernel's settings are those of the large batch (64-row blocks, the last one partly
+  # so these are the tokens one 64,096-row call draws, up to the last bits of the arithmetic, which
+  # depend on the compiled program: every chunk samples the same law). Each call still has >= 64
+  # rows, so the kernel's settings are those of the large batch (64-row blocks, the last one partly
   # masked; without TILE_DRAWS the token choice draws). Why: in the interpreter every instance of
   # a kernel's grid (one per 64-row block, one per row in `draw_tokens`) handles whole arrays, so
   # its time grows as rows²: one 64,096-row call took 60-200 s on 2 CPU cores, the 32 take ~5 s.
@@ -224,7 +276,7 @@ def test_pallas_form_block_law(kind, temperature, options):
   base = rng.normal(0, 1.5, (gamma, vocab)).astype(np.float32)
   h = rng.normal(0, 1.0, (gamma, hidden)).astype(np.float32)
   anchor, rows, chunk = 3, n + greedy_n, 2_003
-  assert rows % chunk == 0 and chunk >= proposal.TILE_DRAWS_BELOW_BATCH
+  assert rows % chunk == 0 and chunk >= dispatch.TILE_DRAWS_BELOW_BATCH
   params = dj.SamplingParams(temperature=np.r_[np.zeros(greedy_n), np.full(n, temperature)],
                              seed=np.arange(rows))
   r = proposal.block_arrays(params, np.full(rows, anchor), np.full(rows, 11))
@@ -235,7 +287,7 @@ def test_pallas_form_block_law(kind, temperature, options):
         head.arrays(), None, jnp.broadcast_to(base, (chunk, gamma, vocab)), r["anchor"][part],
         jnp.broadcast_to(h, (chunk, gamma, hidden)), r["greedy"][part], r["temperature"][part],
         r["seeds"][part], r["positions"][part], jax.random.key(9), kind=kind, greedy_only=False,
-        form="pallas", pallas_options=options)[0])
+        backend="triton", config=config)[0])
   tokens = np.concatenate([np.asarray(t) for t in tokens])
   assert tokens.shape == (rows, gamma)
   path = []
@@ -251,35 +303,41 @@ def test_pallas_form_block_law(kind, temperature, options):
                        what=f"pallas {kind} vs 1.15 T")
 
 
+@pytest.mark.slow
+@pytest.mark.kernel
 def test_pallas_form_over_many_tiles_with_edge_rows():
   # V = 2064 = 129 tiles of 16. Rows: all -inf, a NaN in the last tile, an exact tie between the
   # first and the last tile, normal rows; greedy and sampled. The kernel's per-tile draws and their
-  # reduction, per step, in the persistent kernel, or chained (pdl: `choose_tokens` reduces; with
-  # a W2 chunk loaded first); the token choice that draws (`draw_tokens`, chained or not); XLA's
-  # draw in the chosen tile: each must give the loop form's tokens and logits bit for bit (CPU).
+  # reduction, per step, chained or not (pdl: `choose_tokens` reduces; also with a 16-wide rank
+  # chunk); the token choice that draws (`draw_tokens`, chained or not). W2 = 0: every program's
+  # corrected logits are the base logits exactly (the bias is an exact zero on any host), so the
+  # logits and the tokens (selection logic on identical values) must equal the loop's exactly, and
+  # the special rows draft their defined tokens on every form.
   batch, gamma, vocab, rank = 8, 2, 2064, 16
   head = helpers.make_head("vanilla", vocab, rank, 4)
   base = helpers.edge_rows(batch, gamma, vocab, nan_at=2060, tie_at=(5, 2050))  # first, last tile
   arrays = dict(head.arrays(), w2=jnp.zeros_like(head.arrays()["w2"]))  # keep the edge rows intact
   params = dj.SamplingParams(temperature=np.tile([0.0, 0.9], batch // 2))
   rows = proposal.block_arrays(params, np.arange(batch), np.arange(batch) * 5)
-  forms = (("loop", ()), ("pallas", ()), ("pallas", XLA_CHOICE), ("pallas", PERSISTENT),
-           ("pallas", PDL), ("pallas", PDL + (("prefetch", True), ("k_chunk", 16))),
-           ("pallas", CHOICE), ("pallas", CHOICE + PDL), ("pallas", XLA_DRAW))
+  forms = (LOOP, ("triton", None), ("triton", PDL),
+           ("triton", dispatch.TritonConfig(pdl=True, k_chunk=16)), ("triton", CHOICE),
+           ("triton", dispatch.TritonConfig(tile_draws=False, pdl=True)))
   for g in (False, True):
-    loop, *others = [proposal.folded_block(
-        arrays, None, jnp.asarray(base), rows["anchor"], None, rows["greedy"],
-        rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(1), kind="vanilla",
-        greedy_only=g, form=f, pallas_options=o) for f, o in forms]
-    for other in others:
-      np.testing.assert_array_equal(np.asarray(loop[0]), np.asarray(other[0]))
+    loop, *others = [_folded(arrays, None, jnp.asarray(base), rows, None, jax.random.key(1),
+                             "vanilla", g, b, c) for b, c in forms]
+    for (b, c), block in zip(forms, [loop] + others):
+      what = f"{b} {c}, greedy_only={g}"
+      tokens = np.asarray(block[0])
+      np.testing.assert_array_equal(tokens, np.asarray(loop[0]), err_msg=what)
       if not g:
-        np.testing.assert_array_equal(np.asarray(loop[1]), np.asarray(other[1]))
-    if not g:
-      tokens = np.asarray(loop[0])
-  assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060) and np.all(tokens[4] == 5)
+        np.testing.assert_array_equal(np.asarray(block[1]), base, err_msg=what)
+      # all -inf: token 0; a NaN: the NaN's column (greedy and sampled); the greedy tie: the first
+      assert np.all(tokens[0:2] == 0) and np.all(tokens[2:4] == 2060), what
+      assert np.all(tokens[4] == 5), what
+      assert np.all(np.isin(tokens[5], (5, 2050))), what
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("draws,store_logits", [(True, True), (False, False)])
 def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws, store_logits):
   # Without draws and with the logits stored, the noise is the token choice's (`draw_tokens`).
@@ -297,6 +355,7 @@ def test_kernel_sampling_step_needs_noise_and_greedy_mask(draws, store_logits):
                           interpret=True)
 
 
+@pytest.mark.kernel
 def test_kernel_first_max_keys_match_argmax():
   # `fused_step` reduces integer keys, not floats (Triton's float max drops NaN). The keys must give
   # jnp.argmax's answer and the max: 200 rows of 64 values with exact ties, signed zeros, ±inf,
@@ -317,32 +376,7 @@ def test_kernel_first_max_keys_match_argmax():
   np.testing.assert_array_equal(np.asarray(best), want)  # equal as values: -0 == +0
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-def test_persistent_kernel_equals_the_step_kernels(batch):
-  # The persistent kernel computes every tile as the per-step kernels with tile draws do and
-  # reduces the same (key, token) pairs in the same order, so tokens, corrected logits and
-  # confidence must agree bit for bit, in the interpreter (CPU) and on a GPU alike (there its grid
-  # has several instances and a real grid-wide barrier: V = 192 is three tiles).
-  gamma, vocab, rank, hidden = 4, 192, 16, 6
-  head = helpers.make_head("vanilla", vocab, rank, hidden)
-  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(hidden + rank, gamma))
-  keys = jax.random.split(jax.random.key(13), 2)
-  base = 2.0 * jax.random.normal(keys[0], (batch, gamma, vocab))
-  h = jax.random.normal(keys[1], (batch, gamma, hidden))
-  params = dj.SamplingParams(temperature=[0.0, 0.5, 1.0, 2.0, 1.0][:batch] if batch > 1 else [0.7])
-  rows = proposal.block_arrays(params, np.arange(batch) * 11, np.arange(batch) * 7)
-  for greedy_only in (False, True):
-    for conf_arrays in (None, conf.arrays()):
-      steps, whole = [proposal.folded_block(
-          head.arrays(), conf_arrays, base, rows["anchor"], h, rows["greedy"],
-          rows["temperature"], rows["seeds"], rows["positions"], jax.random.key(4), kind="vanilla",
-          greedy_only=greedy_only, form="pallas", pallas_options=o) for o in (TILE_DRAWS, PERSISTENT)]
-      for a, b in zip(steps, whole):
-        assert (a is None) == (b is None)
-        if a is not None:
-          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
+@pytest.mark.kernel
 def test_choose_tokens_is_the_tile_reduction():
   # `token_kernels.choose_tokens` (the token choice of a pdl chain) against XLA's reduction
   # (`sampling.tokens_from_tile_choices`) on pairs with the kernel's padded rows: ties between
@@ -364,6 +398,8 @@ def test_choose_tokens_is_the_tile_reduction():
   assert int(want[1]) == min(token[1, 4], token[1, 20]) and int(want[3]) == token[3, -1]
 
 
+@pytest.mark.slow
+@pytest.mark.kernel
 def test_draw_tokens_is_the_two_level_draw():
   # `token_kernels.draw_tokens` (the token choice that draws) against `sampling.tokens_from_tile_stats`
   # with the noise `sampling.tile_noise` gives the same rows' keys, at three block positions:
@@ -432,50 +468,37 @@ def test_draw_tokens_is_the_two_level_draw():
                               interpret=True)
 
 
-def test_pdl_is_refused_where_the_chain_does_not_apply():
+@pytest.mark.kernel
+def test_backends_and_settings_are_refused_where_they_do_not_apply():
+  # Raised while the block is traced, before any kernel runs.
   batch, gamma, vocab, rank = 2, 2, 64, 16
   base = jnp.zeros((batch, gamma, vocab))
+  hidden = jnp.zeros((batch, gamma, 3))
   rows = proposal.block_arrays(dj.SamplingParams(temperature=[1.0, 0.0]), [0, 1], [0, 0])
-  def run(kind, options, hidden=None):
-    head = helpers.make_head(kind, vocab, rank, 3)
-    return proposal.folded_block(head.arrays(), None, base, rows["anchor"], hidden, rows["greedy"],
-                                 rows["temperature"], rows["seeds"], rows["positions"],
-                                 jax.random.key(0), kind=kind, greedy_only=False, form="pallas",
-                                 pallas_options=options)
-  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
-    run("gated", PDL, jnp.zeros((batch, gamma, 3)))                  # v from XLA
-  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
-    run("vanilla", PDL + XLA_DRAW)                                   # XLA draws between steps
-  with pytest.raises(ValueError, match="pdl is a setting of the per-step Triton kernel"):
-    run("vanilla", PDL + PERSISTENT)
-  with pytest.raises(ValueError, match="choice .* without draws"):
-    run("vanilla", CHOICE + TILE_DRAWS)
-  with pytest.raises(ValueError, match="hopper sampling kernel's token choice draws"):
-    run("vanilla", (("hopper", True),) + TILE_DRAWS)
+  def run(kind, backend, config, hidden=None, conf=None, store_logits=True, base=base, rank=rank,
+          dtype=jnp.float32):
+    arrays = {k: v.astype(dtype) for k, v in
+              helpers.head_arrays(kind, base.shape[2], rank, 3).items()}
+    return _folded(arrays, conf, base.astype(dtype), rows, hidden, jax.random.key(0), kind,
+                   False, backend, config, store_logits=store_logits)
+  pdl = "^TritonConfig.pdl: the chain needs W1 gathered in the kernel"
+  with pytest.raises(ValueError, match=pdl):
+    run("gated", "triton", PDL, hidden)                                   # v from XLA
+  with pytest.raises(ValueError, match=pdl):                              # W1[x] gathered in XLA
+    run("vanilla", "triton", PDL, hidden, conf=helpers.confidence_arrays(3 + rank))
+  with pytest.raises(ValueError, match=pdl):  # compact, no tile draws: `chosen_tile_draws`
+    run("vanilla", "triton", dispatch.TritonConfig(tile_draws=False, pdl=True), store_logits=False)
+  with pytest.raises(ValueError, match="^config: TritonConfig is not a setting of backend 'hop"):
+    run("vanilla", "hopper", TILE_DRAWS)
+  with pytest.raises(ValueError, match="^config: HopperConfig is not a setting of backend 'tri"):
+    run("vanilla", "triton", dispatch.HopperConfig())
+  with pytest.raises(ValueError, match="^backend 'triton': precondition failed: r is a multiple"):
+    run("vanilla", "triton", None, rank=8)
+  with pytest.raises(ValueError, match="^backend 'hopper': precondition failed: W2 and the logits "
+                     "are bfloat16"):
+    run("vanilla", "hopper", None)
+  with pytest.raises(ValueError, match="^backend 'hopper': precondition failed: B is a multiple "
+                     "of 64"):
+    run("vanilla", "hopper", None, base=jnp.zeros((batch, gamma, 128)), rank=64,
+        dtype=jnp.bfloat16)
   assert not fused_step.pdl_supported() or jax.default_backend() == "gpu"
-
-
-def test_persistent_kernel_rejects_what_it_cannot_run():
-  batch, gamma, vocab, rank = 2, 2, 64, 16
-  w1, w2 = jnp.zeros((vocab, rank)), jnp.zeros((rank, vocab))
-  base, temperature = jnp.zeros((batch, gamma, vocab)), jnp.ones((batch,))
-  anchor, greedy = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool)
-  noise = jnp.zeros((gamma, batch, vocab // 64 + 64))
-  run = lambda **edit: fused_block.block_tokens(**dict(
-      anchor=anchor, w1=w1, w2=w2, base_logits=base, temperature=temperature, noise=noise,
-      greedy=greedy, greedy_only=False, interpret=True) | edit)
-  with pytest.raises(ValueError, match="^noise: "):
-    run(noise=None)
-  with pytest.raises(ValueError, match="^greedy: "):
-    run(greedy=None)
-  with pytest.raises(ValueError, match=r"^base_logits: .* at most 64 rows, got 65"):
-    run(anchor=jnp.zeros((65,), jnp.int32), base_logits=jnp.zeros((65, gamma, vocab)))
-  with pytest.raises(ValueError, match="^programs: "):
-    run(programs=-1, interpret=False)
-  head = helpers.make_head("gated", vocab, rank, 3)
-  rows = proposal.block_arrays(dj.SamplingParams(temperature=[1.0, 1.0]), [0, 1], [0, 0])
-  with pytest.raises(ValueError, match="persistent needs a vanilla head"):
-    proposal.folded_block(head.arrays(), None, base, rows["anchor"], jnp.zeros((batch, gamma, 3)),
-                          rows["greedy"], rows["temperature"], rows["seeds"], rows["positions"],
-                          jax.random.key(0), kind="gated", greedy_only=False, form="pallas",
-                          pallas_options=PERSISTENT)
