@@ -6,21 +6,22 @@ logits dtype, and samples ``x_k`` from the stored values: greedy rows by argmax,
 from ``softmax(L_k / T)``. Sampling from the *stored* (rounded) logits is deliberate: the verifier's
 draft law ``q = softmax(corrected / T)`` is then exactly the law the tokens were drawn from.
 
-Two paths run the same step function (`_block_step`) and give bit-identical results for the same key:
+Two paths run the same step function (`_block_step`), so for the same key they draw from the same
+law with the same arithmetic (equal values, up to how XLA compiles each program):
 
 * **folded** (`sample_block`, `folded_block`): the whole loop in one jitted program, the JAX
   counterpart of SGLang's CUDA-graph folding. Variant ``greedy_only=True`` takes the argmax
   everywhere and does not emit corrected logits (greedy verification does not need them). Which
   backend computes it is decided once, from shapes and device, by `dspark_jax.kernels.dispatch`:
-  XLA (forms "loop", a `lax.fori_loop` writing in place, and "unrolled"; bit-identical to each other
-  and to the eager path), or the GPU kernels (`dspark_jax.kernels.pallas_block`), which sum
+  XLA (forms "loop", a `lax.fori_loop` writing in place, and "unrolled", the same arithmetic as the
+  eager path), or the GPU kernels (`dspark_jax.kernels.pallas_block`), which sum
   ``v @ W2`` in their own order, so a corrected logit can differ in its last bit and a near-tie go
   the other way; the law, ``softmax`` of the *stored* logits, is the same (tests check it).
 * **eager** (`sample_block_eager`): a Python loop calling the compiled step γ times: the reference, and
   the fallback for mixed batches when the memory gate disables the folded sampling variant.
 
 ``store_logits=False`` (XLA and Triton backends, and the eager path) keeps a `CompactLogits` instead
-of the [B, γ, V] corrected logits: each token's ``log q`` and what recomputes any row bit for bit,
+of the [B, γ, V] corrected logits: each token's ``log q`` and what recomputes any row with the same arithmetic,
 for the verifier's one row per request. The same tokens, less memory, no faster.
 
 Randomness: draft token k of row b uses the stream of ``(key, seed_b, positions_b + k, Stream.DRAFT)``,
@@ -72,8 +73,11 @@ class CompactLogits:
   Verification reads the corrected logits twice: ``q_k(x_k)`` of every drafted token, and the whole
   row ``q_j`` at a row's first rejection j. This keeps the first, ``log q_k(x_k)``, and what
   recomputes any row: the head's vectors ``v_k`` (``bias_k = v_k @ W2``), the base logits and W2,
-  with the arithmetic that drafted the block (`kernel`), so a recomputed row equals the row the
-  token was drawn from bit for bit. Per step the block then writes B floats instead of B·V logits
+  with the arithmetic that drafted the block (`kernel`: the same operations, the same summation
+  order), so a recomputed row equals the row the token was drawn from. The recomputation is a
+  different compiled program: where a compiler could contract or reorder its float operations
+  differently, a logit could differ in its last bit, and the verifier's q by that much; use
+  ``store_logits=True`` (the default) where that matters. Per step the block then writes B floats instead of B·V logits
   (a third of the floor's bytes at B = 128), and the verifier reads W2 once more per round.
 
   `folded_block`, a compiled program, leaves `base_logits` and `w2` as None: they are its inputs,
@@ -121,7 +125,7 @@ class CompactLogits:
 
   def rows(self, position: jax.Array) -> jax.Array:
     """[B, V] row b's corrected logits at block position ``position[b]`` (0-based), in the logits
-    dtype: bit for bit the values its token was drawn from."""
+    dtype: the values its token was drawn from, recomputed with the same arithmetic."""
     batch = self.shape[0]
     pad = max((self.drafted_rows or batch) - batch, 0)
     take = lambda x: jnp.pad(jnp.take_along_axis(x, position[:, None, None], axis=1)[:, 0],

@@ -167,20 +167,17 @@ class Choice:
     backend: the `Backend` that runs the block.
     config: its `XlaConfig`, `TritonConfig` or `HopperConfig`.
     reason: one line: what was asked for and why this backend runs.
+    interpret: a kernel backend asked for off the GPU: the kernels run in Pallas' interpreter.
   """
 
   backend: Backend
   config: XlaConfig | TritonConfig | HopperConfig
   reason: str
+  interpret: bool = False
 
   @property
   def name(self) -> str:
     return self.backend.value
-
-  @property
-  def interpret(self) -> bool:
-    """Set by `choose` for a kernel backend asked for off the GPU (Pallas' interpreter)."""
-    return "interpreter" in self.reason
 
 
 # ---- preconditions ---------------------------------------------------------------------------------
@@ -314,7 +311,8 @@ def choose(problem: Problem, backend: Backend | str | None = None, config=None) 
     backend: "auto" (the table), "xla", "triton" or "hopper"; None reads ``$DSPARK_JAX_BACKEND``
       (unset: "auto").
     config: settings for the requested backend (an `XlaConfig`, `TritonConfig` or `HopperConfig`),
-      or None for the defaults; with "auto" it applies if the table picks its backend.
+      or None for the defaults; with "auto" it applies only if the table picks its backend (the
+      `Choice` returned says which config runs).
 
   Raises:
     ValueError: an explicit backend whose precondition `problem` fails (the message names it), an
@@ -331,10 +329,10 @@ def choose(problem: Problem, backend: Backend | str | None = None, config=None) 
     failed = failed_precondition(wanted, problem)
     if failed is not None:
       raise ValueError(f"backend {wanted.value!r}: precondition failed: {failed} ({_shape(problem)})")
-    where = ("in Pallas' interpreter" if wanted is not Backend.XLA and problem.interpret
-             else f"on {problem.platform}")
+    interpret = wanted is not Backend.XLA and problem.interpret
+    where = "in Pallas' interpreter" if interpret else f"on {problem.platform}"
     return Choice(wanted, config or _default_config(wanted, problem),
-                  f"{wanted.value} requested, {where}")
+                  f"{wanted.value} requested, {where}", interpret)
   if problem.platform != "gpu":
     return Choice(Backend.XLA, config if isinstance(config, XlaConfig)
                   else _default_config(Backend.XLA, problem),

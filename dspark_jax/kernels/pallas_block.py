@@ -65,7 +65,7 @@ def block(choice: dispatch.Choice, kind, head_params, conf_params, base_logits, 
   """
   batch, gamma, vocab = base_logits.shape
   rank = head_params["w1"].shape[1]
-  interpret = choice.interpret or jax.default_backend() == "cpu"
+  interpret = choice.interpret or jax.default_backend() != "gpu"
   hopper = choice.backend is dispatch.Backend.HOPPER
   config = choice.config
   compact = not (store_logits or greedy_only)
