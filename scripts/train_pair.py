@@ -41,10 +41,11 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dspark_jax as dj  # noqa: E402
-from dspark_jax import checkpoints, data, layers, training  # noqa: E402
-from dspark_jax import draft_model as dm  # noqa: E402
-from dspark_jax import target_model as tm  # noqa: E402
-from dspark_jax import shipped  # noqa: E402
+from dspark_jax.models import draft as dm  # noqa: E402
+from dspark_jax.models import layers, shipped  # noqa: E402
+from dspark_jax.models import target as tm  # noqa: E402
+from dspark_jax.train import checkpoints, data  # noqa: E402
+from dspark_jax.train import trainer as training  # noqa: E402
 
 PROMPT_TOKENS, CONTINUATION_TOKENS = 64, 192
 GAMMA = 7

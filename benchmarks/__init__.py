@@ -1,0 +1,16 @@
+"""Maintained benchmarks of dspark_jax, sharing one timing harness (`benchmarks.harness`).
+
+* `benchmarks.bench_sampler`: the folded draft-block sampler (sampling and greedy-only variants,
+  ``DraftSampler.propose``, the eager loop, and PyTorch's CUDA-graph reference where torch has
+  CUDA), in µs and × the memory floor ``γ·(r·V + 2·B·V)·itemsize / bandwidth``.
+* `benchmarks.bench_decode`: one speculative round split into its parts (draft forward, block
+  sampling, target verify, accept/commit, context update), the full round and one autoregressive
+  step, in ms and × their memory floors; then ``generate`` end to end.
+* `benchmarks.bench_compact`: the sampling block with stored corrected logits against
+  ``store_logits=False`` (`CompactLogits`), alone and followed by verification.
+
+Each module has ``main(argv=None)`` and runs from the repository root as
+``python -m benchmarks.<name> [--small] [--backend auto|xla|triton|hopper] [--json PATH]``;
+``--small`` uses tiny shapes and few repeats (seconds on a CPU). The summary table is printed last.
+``scripts/gpu_check.py`` runs them, with the GPU-relevant tests, before a GPU change is submitted.
+"""
