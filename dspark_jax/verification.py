@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dspark_jax import validation
 from dspark_jax.draft import block as proposal
 from dspark_jax.sampling import sampler as sampling
 from dspark_jax.sampling import params as sp
@@ -212,7 +213,7 @@ def stop_id_array(stop_token_ids, batch: int, vocab: int) -> jax.Array:
 def _check_verify_lens(verify_lens, batch: int, gamma: int):
   if verify_lens is None:
     return np.full((batch,), gamma + 1, np.int32)
-  sampling.check_batch("verify_lens", verify_lens, batch)
+  validation.check_batch("verify_lens", verify_lens, batch)
   values = _concrete(verify_lens)
   if values is None:
     return jnp.clip(jnp.asarray(verify_lens, jnp.int32), 1, gamma + 1)  # traced: cannot raise
@@ -272,7 +273,9 @@ def check_verify_inputs(target_logits, block, params, positions) -> tuple[int, i
     raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
   if params.batch_size != batch:
     raise ValueError(f"params: has {params.batch_size} rows but the block has {batch}")
-  sampling.check_batch("positions", positions, batch)
+  validation.check_batch("positions", positions, batch)
+  sampling.check_positions("positions", positions)
+  validation.check_range("block.tokens", block.tokens, 0, vocab)
   _check_block_matches_params(block, params)
   return batch, gamma, vocab
 
@@ -298,11 +301,18 @@ def verify(target_logits: jax.Array, block: proposal.DraftBlock, params: sp.Samp
     An `AcceptResult`.
 
   Raises:
-    ValueError: shapes, dtypes or vocab sizes that do not fit the block; verify_lens out of range;
-      stop ids outside the vocabulary; a block drafted under other greedy flags or temperatures than
-      `params` (checked when the values are concrete).
+    ValueError: shapes, dtypes or vocab sizes that do not fit the block; draft tokens outside
+      [0, V); positions outside [0, 2**31); verify_lens out of range; stop ids outside the
+      vocabulary; a block drafted under other greedy flags or temperatures than `params`; a key
+      that is not one PRNG key (values are checked when they are concrete).
+    TypeError: an argument that is not an array (lists of numbers are converted).
   """
+  target_logits = validation.as_array("target_logits", target_logits)
+  positions = validation.as_array("positions", positions)
+  if verify_lens is not None:
+    verify_lens = validation.as_array("verify_lens", verify_lens)
   batch, gamma, vocab = check_verify_inputs(target_logits, block, params, positions)
+  validation.check_key("key", key)
   lens = _check_verify_lens(verify_lens, batch, gamma)
   stop_ids = stop_id_array(stop_token_ids, batch, vocab)
   greedy_only = block.corrected_logits is None

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dspark_jax import validation
 from dspark_jax.draft import heads as heads_lib
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import pallas_block
@@ -362,7 +363,9 @@ def eager_block(head_params, conf_params, base_logits, anchor, hidden, greedy, t
 
 def check_block_inputs(head: heads_lib.MarkovHead, base_logits, anchor, hidden, params, positions,
                        confidence_head=None) -> None:
-  """Raises ValueError (naming the argument) unless the inputs of a block proposal fit together."""
+  """Raises ValueError (naming the argument and its first bad element) unless the inputs of a block
+  proposal fit together: shapes, dtypes, anchors in [0, V), positions in [0, 2**31). Values being
+  traced are checked for shape and dtype only."""
   if np.ndim(base_logits) != 3:
     raise ValueError(f"base_logits: expected [B, γ, V], got shape {np.shape(base_logits)}")
   if not jnp.issubdtype(base_logits.dtype, jnp.floating):
@@ -370,8 +373,10 @@ def check_block_inputs(head: heads_lib.MarkovHead, base_logits, anchor, hidden, 
   batch, gamma, vocab = base_logits.shape
   if vocab != head.vocab_size:
     raise ValueError(f"base_logits: vocab {vocab} does not match the head's vocab {head.vocab_size}")
-  sampling.check_batch("anchor", anchor, batch)
-  sampling.check_batch("positions", positions, batch)
+  validation.check_batch("anchor", anchor, batch)
+  validation.check_range("anchor", anchor, 0, vocab)
+  validation.check_batch("positions", positions, batch)
+  sampling.check_positions("positions", positions)
   if not isinstance(params, sp.SamplingParams):
     raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
   if params.batch_size != batch:
@@ -410,9 +415,18 @@ def block_arrays(params: sp.SamplingParams, anchor, positions) -> dict[str, Any]
   }
 
 
+def as_block_inputs(base_logits, anchor, hidden, positions):
+  """The array arguments of a proposal as arrays (lists are converted; TypeError names others)."""
+  return (validation.as_array("base_logits", base_logits), validation.as_array("anchor", anchor),
+          None if hidden is None else validation.as_array("hidden", hidden),
+          validation.as_array("positions", positions))
+
+
 def _run(runner, path, head, base_logits, anchor, hidden, params, key, positions, confidence_head,
          greedy_only, store_logits, backend=None, config=None):
+  base_logits, anchor, hidden, positions = as_block_inputs(base_logits, anchor, hidden, positions)
   check_block_inputs(head, base_logits, anchor, hidden, params, positions, confidence_head)
+  validation.check_key("key", key)
   rows = block_arrays(params, anchor, positions)
   conf_params = None if confidence_head is None else confidence_head.arrays()
   arrays = head.arrays()

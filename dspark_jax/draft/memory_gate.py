@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -80,20 +81,43 @@ def sampling_need_bytes(max_batch_size: int, vocab_size: int, gamma: int, logits
   return max_batch_size * vocab_size * 4 + max_batch_size * gamma * kept
 
 
+def _stat(stats: Mapping[str, Any], name: str) -> int:
+  """One memory statistic: a finite number >= 0, or ValueError naming it."""
+  value = stats[name]
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"memory_stats: {name} is {value!r}; expected a number of bytes") from None
+  if not math.isfinite(number) or number < 0:
+    raise ValueError(f"memory_stats: {name} is {value!r}; expected a finite number >= 0")
+  return int(number)
+
+
 def free_bytes_from_stats(stats: Mapping[str, Any] | None) -> int | None:
   """Free device memory from a ``jax.Device.memory_stats()``-shaped mapping, or None if unknowable.
 
   limit: ``bytes_limit``, else ``bytes_reservable_limit``; in use: ``bytes_in_use``, else
   ``bytes_reserved``, else 0. With no limit at all, ``largest_free_block_bytes`` if present.
+
+  Raises:
+    ValueError: `stats` is not a mapping, or a statistic it uses is not a finite number >= 0.
   """
+  if stats is None:
+    return None
+  if not isinstance(stats, Mapping):
+    raise ValueError(f"memory_stats: expected a mapping like jax.Device.memory_stats(), got "
+                     f"{type(stats).__name__}")
   if not stats:
     return None
-  limit = stats.get("bytes_limit", stats.get("bytes_reservable_limit"))
-  if limit is None:
-    block = stats.get("largest_free_block_bytes")
-    return None if block is None else int(block)
-  in_use = stats.get("bytes_in_use", stats.get("bytes_reserved", 0))
-  return max(int(limit) - int(in_use), 0)
+  limit_name = next((n for n in ("bytes_limit", "bytes_reservable_limit") if n in stats), None)
+  if limit_name is None:
+    if "largest_free_block_bytes" not in stats:
+      return None
+    return _stat(stats, "largest_free_block_bytes")
+  limit = _stat(stats, limit_name)
+  use_name = next((n for n in ("bytes_in_use", "bytes_reserved") if n in stats), None)
+  in_use = 0 if use_name is None else _stat(stats, use_name)
+  return max(limit - in_use, 0)
 
 
 def host_available_bytes() -> int | None:

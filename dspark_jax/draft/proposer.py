@@ -24,6 +24,7 @@ import numpy as np
 
 from dspark_jax.draft import heads as heads_lib
 from dspark_jax.draft import memory_gate
+from dspark_jax import validation
 from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import pallas_block
@@ -187,6 +188,9 @@ class DraftSampler:
     Raises:
       ValueError: more rows than `max_batch_size`, a vocab / γ / dtype mismatch, or any bad input.
     """
+    base_logits, anchor, hidden, positions = proposal.as_block_inputs(base_logits, anchor, hidden,
+                                                                       positions)
+    validation.check_key("key", key)
     if np.ndim(base_logits) != 3:
       raise ValueError(f"base_logits: expected [B, γ, V], got shape {np.shape(base_logits)}")
     batch, gamma, vocab = base_logits.shape
@@ -290,6 +294,9 @@ def build_draft_sampler(head: heads_lib.MarkovHead, *, max_batch_size: int, voca
     largest bucket; smaller buckets compile on first use, or all at once with `DraftSampler.warmup`.
   """
   mode = memory_gate.resolve_mode(mode)
+  max_batch_size = validation.check_positive_int("max_batch_size", max_batch_size)
+  vocab_size = validation.check_positive_int("vocab_size", vocab_size)
+  gamma = validation.check_positive_int("gamma", gamma)
   if vocab_size != head.vocab_size:
     raise ValueError(f"vocab_size: {vocab_size} does not match the head's vocab {head.vocab_size}")
   if gamma < 1:

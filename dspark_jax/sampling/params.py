@@ -73,7 +73,17 @@ def _check_values(name: str, values: np.ndarray) -> np.ndarray:
   if bad.any():
     row = _first_bad_row(bad)
     raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]}; {rule}")
-  return values.astype(_HOST_DTYPES[name])
+  with np.errstate(over="ignore"):  # the value the samplers see: check it too
+    stored = values.astype(_HOST_DTYPES[name])
+  if name == "temperature":
+    bad = ~np.isfinite(stored)
+  else:
+    bad = ~(stored > 0) | (stored > 1)
+  if bad.any():
+    row = _first_bad_row(bad)
+    raise ValueError(f"SamplingParams.{name}: row {row} is {values[row]}, which is {stored[row]} "
+                     f"as float32; {rule} as float32")
+  return stored
 
 
 @jax.tree_util.register_pytree_node_class
@@ -90,8 +100,10 @@ class SamplingParams:
       batches of different composition.
     batch_size: needed only when every given field is a scalar.
 
-  Scalars are broadcast to [B]. Host values (Python, NumPy, concrete JAX arrays) are validated and kept
-  as NumPy arrays, so `all_greedy` can be answered without touching the device.
+  Scalars are broadcast to [B]. Host values (Python, NumPy, concrete JAX arrays) are validated as the
+  float32 / int32 / uint32 values the samplers will see and kept as read-only NumPy copies (the
+  caller's arrays are neither kept nor changed), so `all_greedy` can be answered without touching
+  the device.
 
   Raises:
     ValueError: a field with a bad value (naming the field and the first bad row), a field that is not
@@ -132,6 +144,7 @@ class SamplingParams:
         value = jnp.broadcast_to(jnp.asarray(value).astype(_HOST_DTYPES[name]), (size,))
       else:
         value = _check_values(name, np.broadcast_to(np.asarray(value), (size,)).copy())
+        value.setflags(write=False)  # validated once: nobody changes it after
       object.__setattr__(self, name, value)
 
   # ---- pytree protocol -------------------------------------------------------------------------
@@ -187,6 +200,9 @@ class SamplingParams:
     xp = jnp if any(_is_traced(getattr(self, f)) for f in _FIELDS) else np
     values = [xp.concatenate([getattr(self, f), xp.full((extra,), fill[f], dtype=_HOST_DTYPES[f])])
               for f in _FIELDS]
+    if xp is np:
+      for value in values:
+        value.setflags(write=False)
     return SamplingParams.tree_unflatten(None, values)
 
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import validation
 from dspark_jax.sampling import params as sp
 
 NOISE_PRNG_IMPL = "philox4x32"
@@ -384,14 +385,7 @@ def _sample_step(logits, params, key, positions, stream):
   return sample_tokens(logits, params.greedy_mask, params.draft_temperature, keys)
 
 
-def check_batch(name: str, value, batch: int, *, integer: bool = True) -> None:
-  """Raises ValueError unless `value` is a [batch] array (of integers when `integer`)."""
-  shape = np.shape(value)
-  if shape != (batch,):
-    raise ValueError(f"{name}: expected shape ({batch},), got {shape}")
-  dtype = np.result_type(value) if not hasattr(value, "dtype") else value.dtype
-  if integer and not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"{name}: expected integers, got dtype {dtype}")
+
 
 
 def check_logits(logits, params: sp.SamplingParams) -> None:
@@ -426,8 +420,29 @@ def sample_step(logits: jax.Array, params: sp.SamplingParams, key: jax.Array, po
     [B] int32 token ids in [0, V).
 
   Raises:
-    ValueError: wrong ranks or batch sizes, non-float logits, non-integer positions.
+    ValueError: wrong ranks or batch sizes, non-float logits, non-integer positions or positions
+      outside [0, 2**31), a key that is not one PRNG key, an unknown stream.
+    TypeError: logits or positions that are not arrays (lists of numbers are converted).
   """
+  logits = validation.as_array("logits", logits)
+  positions = validation.as_array("positions", positions)
   check_logits(logits, params)
-  check_batch("positions", positions, logits.shape[0])
-  return _sample_step(logits, params, key, jnp.asarray(positions), int(stream))
+  validation.check_batch("positions", positions, logits.shape[0])
+  check_positions("positions", positions)
+  validation.check_key("key", key)
+  return _sample_step(logits, params, key, jnp.asarray(positions, jnp.int32), check_stream(stream))
+
+
+def check_positions(name: str, positions) -> None:
+  """Raises ValueError naming the first position outside [0, 2**31) (concrete values only)."""
+  validation.check_range(name, positions, 0, validation.POSITION_LIMIT,
+                         what="must be in [0, 2**31)")
+
+
+def check_stream(stream) -> int:
+  """`stream` as an int, or ValueError unless it is a `Stream` (or its integer value)."""
+  valid = isinstance(stream, (int, np.integer)) and not isinstance(stream, bool)
+  if not valid or int(stream) not in {s.value for s in Stream}:
+    raise ValueError(f"stream: expected a Stream ({', '.join(s.name for s in Stream)}), got "
+                     f"{stream!r}")
+  return int(stream)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import validation
 from dspark_jax.sampling import sampler as sampling
 from dspark_jax.sampling import params as sp
 
@@ -129,5 +130,5 @@ def sample_target(logits: jax.Array, params: sp.SamplingParams, key: jax.Array,
     [B] int32 tokens in [0, V).
   """
   sampling.check_logits(logits, params)
-  sampling.check_batch("positions", positions, logits.shape[0])
+  validation.check_batch("positions", positions, logits.shape[0])
   return _sample_target(logits, params, key, jnp.asarray(positions), int(stream))

@@ -1,0 +1,182 @@
+"""Bad input gets a clear error naming the argument and its first bad element, never a wrong token.
+
+Each test is one case a careful user hit: the silent ones (no error and a wrong or out-of-range
+result) and the obscure ones (an exception from deep inside NumPy or JAX that names no argument).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dspark_jax as dj
+from dspark_jax import validation
+from dspark_jax.draft import memory_gate
+from tests import helpers
+
+V, GAMMA, RANK = 8, 3, 4
+
+
+@pytest.fixture(scope="module")
+def head():
+  return helpers.make_head("vanilla", V, RANK, 3)
+
+
+def _propose(head, anchor, positions=(5, 6), key=None, base=None, **kw):
+  base = jnp.zeros((2, GAMMA, V)) if base is None else base
+  params = dj.SamplingParams(temperature=[0.0, 1.0])
+  return dj.sample_block(head, base, anchor, None, params,
+                         jax.random.key(0) if key is None else key, positions, **kw)
+
+
+# ---- the silent cases --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anchor,shown", [([0, V], str(V)), ([-1, 0], "-1"),
+                                          (np.array([0, 2**32 + 3], np.int64), str(2**32 + 3))])
+def test_anchor_outside_the_vocabulary_is_named(head, anchor, shown):
+  # Was: anchor = V gave NaN logits and token 0; -1 read W1[V-1]; 2**32 + 3 wrapped to 3.
+  with pytest.raises(ValueError, match=rf"^anchor: row \d is {shown}; must be in \[0, {V}\)"):
+    _propose(head, anchor)
+  sampler = dj.build_draft_sampler(head, max_batch_size=2, vocab_size=V, gamma=GAMMA,
+                                   logits_dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"^anchor: row \d is"):
+    sampler.propose(jnp.zeros((2, GAMMA, V)), np.asarray(anchor), None,
+                    dj.SamplingParams(temperature=[0.0, 1.0]), jax.random.key(0), [5, 6])
+
+
+def test_verify_refuses_draft_tokens_outside_the_vocabulary(head):
+  # Was: committed held -1 and counted it in num_committed.
+  block = _propose(head, [1, 2])
+  params = dj.SamplingParams(temperature=[0.0, 1.0])
+  target = jnp.zeros((2, GAMMA + 1, V))
+  for bad in (-1, V):
+    with pytest.raises(ValueError, match=rf"^block.tokens: element \[0, 0\] is {bad}; must be in"):
+      dj.verify(target, block.replace(tokens=jnp.full_like(block.tokens, bad)), params,
+                jax.random.key(1), [5, 6])
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("temperature", 1e39, "float32"), ("top_p", 1e-50, "float32")])
+def test_values_are_checked_as_they_are_stored(field, value, rule):
+  # Was: 1e39 passed the float64 check and became inf; 1e-50 became 0.
+  with pytest.raises(ValueError, match=rf"^SamplingParams.{field}: row 1 is .*{rule}"):
+    dj.SamplingParams(**{field: [0.5, value]})
+
+
+def test_sampling_params_fields_are_read_only():
+  # Was: q.temperature[0] = nan after validation was silently used.
+  params = dj.SamplingParams(temperature=[0.5, 1.0], seed=[1, 2])
+  for field in ("temperature", "top_k", "top_p", "seed"):
+    with pytest.raises(ValueError, match="read-only"):
+      getattr(params, field)[0] = 0
+  given = np.array([0.5, 1.0])
+  dj.SamplingParams(temperature=given)
+  given[0] = 3.0  # the caller's array is neither kept nor changed
+  assert given[0] == 3.0
+
+
+@pytest.mark.parametrize("stats,name", [
+    ({"bytes_limit": 2**34, "bytes_in_use": -2**40}, "bytes_in_use"),
+    ({"bytes_limit": -1, "bytes_in_use": 0}, "bytes_limit"),
+    ({"bytes_limit": "abc", "bytes_in_use": 0}, "bytes_limit"),
+    ({"bytes_limit": float("nan"), "bytes_in_use": 0}, "bytes_limit"),
+])
+def test_memory_stats_must_be_sane(stats, name):
+  # Was: a negative bytes_in_use inflated free memory past the limit and turned folded sampling on.
+  with pytest.raises(ValueError, match=rf"^memory_stats: {name} "):
+    memory_gate.probe_free_bytes(stats)
+
+
+def test_memory_stats_must_be_a_mapping():
+  with pytest.raises(ValueError, match=r"^memory_stats: expected a mapping"):
+    memory_gate.probe_free_bytes([1, 2])
+
+
+@pytest.mark.parametrize("positions,shown", [([5, -1], "-1"), ([2**32, 5], str(2**32)),
+                                             ([2**31, 5], str(2**31))])
+def test_positions_must_not_wrap(head, positions, shown):
+  # Was: -1 and 2**32 drew the same noise as 2**32 - 1 and 0.
+  with pytest.raises(ValueError, match=rf"^positions: row \d is {shown}; must be in \[0, 2\*\*31\)"):
+    _propose(head, [1, 2], positions=np.asarray(positions, np.int64))
+  logits = jnp.zeros((2, V))
+  params = dj.SamplingParams(temperature=[1.0, 1.0])
+  with pytest.raises(ValueError, match=r"^positions: row \d is"):
+    dj.sample_step(logits, params, jax.random.key(0), np.asarray(positions, np.int64))
+
+
+@pytest.mark.parametrize("key,what", [
+    (jnp.zeros((2,), jnp.float32), "dtype float32"),
+    (jax.random.split(jax.random.key(0), 3), "a batch of keys"),
+    (7, "got int"),
+])
+def test_keys_are_validated(head, key, what):
+  # Was: float keys drew like key(0); a batch of keys was folded into one.
+  logits = jnp.zeros((2, V))
+  params = dj.SamplingParams(temperature=[1.0, 1.0])
+  with pytest.raises(ValueError, match=rf"^key: .*{what}"):
+    dj.sample_step(logits, params, key, [0, 1])
+  with pytest.raises(ValueError, match=rf"^key: .*{what}"):
+    _propose(head, [1, 2], key=key)
+
+
+# ---- the obscure cases -------------------------------------------------------------------------------
+
+
+def test_python_lists_are_accepted(head):
+  listed = _propose(head, [1, 2], positions=[5, 6], base=np.zeros((2, GAMMA, V)).tolist())
+  arrays = _propose(head, jnp.asarray([1, 2]), positions=jnp.asarray([5, 6]),
+                    base=jnp.zeros((2, GAMMA, V)))
+  np.testing.assert_array_equal(listed.tokens, arrays.tokens)
+  params = dj.SamplingParams(temperature=[0.0, 1.0])
+  result = dj.verify(np.zeros((2, GAMMA + 1, V)).tolist(), listed, params, jax.random.key(1),
+                     [5, 6], verify_lens=[1, 2])
+  assert np.asarray(result.num_committed).shape == (2,)
+  dj.sample_step(np.zeros((2, V)).tolist(), dj.SamplingParams(temperature=[1.0, 0.0]),
+                 jax.random.key(0), [3, 4])
+
+
+def test_non_arrays_are_refused_by_name(head):
+  with pytest.raises(TypeError, match=r"^base_logits: expected an array, got str"):
+    _propose(head, [1, 2], base="logits")
+  with pytest.raises(TypeError, match=r"^positions: expected an array, got dict"):
+    _propose(head, [1, 2], positions={"a": 1})
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"max_batch_size": 2.5}, "max_batch_size"), ({"max_batch_size": -1}, "max_batch_size"),
+    ({"gamma": 2.5}, "gamma"), ({"gamma": 0}, "gamma"), ({"vocab_size": 0}, "vocab_size"),
+])
+def test_sampler_sizes_are_named(head, kwargs, name):
+  args = dict(max_batch_size=2, vocab_size=V, gamma=GAMMA) | kwargs
+  with pytest.raises(ValueError, match=rf"^{name}: "):
+    dj.build_draft_sampler(head, **args)
+
+
+def test_stream_must_be_a_stream(head):
+  with pytest.raises(ValueError, match=r"^stream: expected a Stream"):
+    dj.sample_step(jnp.zeros((2, V)), dj.SamplingParams(temperature=[1.0, 1.0]),
+                   jax.random.key(0), [0, 1], stream="draft")
+
+
+def test_propose_refuses_int_and_batched_keys(head):
+  sampler = dj.build_draft_sampler(head, max_batch_size=2, vocab_size=V, gamma=GAMMA,
+                                   logits_dtype=jnp.float32)
+  params = dj.SamplingParams(temperature=[0.0, 1.0])
+  for key in (3, jax.random.split(jax.random.key(0), 2)):
+    with pytest.raises(ValueError, match=r"^key: "):
+      sampler.propose(jnp.zeros((2, GAMMA, V)), [1, 2], None, params, key, [5, 6])
+
+
+def test_validation_helpers():
+  with pytest.raises(ValueError, match=r"^x: element \[1, 0\] is 9; must be in \[0, 4\)"):
+    validation.check_range("x", np.array([[0, 1], [9, 2]]), 0, 4)
+  validation.check_range("x", np.array([], np.int64), 0, 4)
+  with pytest.raises(ValueError, match=r"^n: expected an integer, got 2.5"):
+    validation.check_positive_int("n", 2.5)
+  with pytest.raises(ValueError, match=r"^n: expected an integer, got True"):
+    validation.check_positive_int("n", True)
+  assert validation.check_nonnegative_int("n", np.int64(0)) == 0
+  with pytest.raises(TypeError, match=r"^a: expected an array or a \(nested\) list"):
+    validation.as_array("a", [[1, 2], [3]])
+  validation.check_key("key", jax.random.PRNGKey(0))
