@@ -240,9 +240,10 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
                              greedy_only=path == proposal.PATH_FOLDED_GREEDY,
                              store_logits=store_logits, head=head, backend=backend)
   limit = out_len  # every iteration commits at least one token per active row
-  state = jax.lax.while_loop(
-      lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit),
-      lambda s: step(s, max_new, rows, stop_ids, key), state)
+  # The carry keeps its dtypes (under x64 some sums and index arithmetic would widen them).
+  body = lambda s: jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                step(s, max_new, rows, stop_ids, key), s)
+  state = jax.lax.while_loop(lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit), body, state)
   return _finish(state, out_len)
 
 

@@ -139,7 +139,8 @@ def verify_arrays(target_logits, tokens, corrected, draft_temperature, greedy, t
     sampled_accepted = _uniforms(key, seeds, positions, gamma) * q_x < p_x
     accepted = jnp.where(greedy[:, None], accepted, sampled_accepted)
 
-  run = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # leading accepts
+  run = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1,
+                dtype=jnp.int32)  # leading accepts
   cap = verify_lens - 1
   accept_len = jnp.minimum(run, cap)
   bonus = _take(pred, accept_len, 1)

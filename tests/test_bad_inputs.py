@@ -180,3 +180,48 @@ def test_validation_helpers():
   with pytest.raises(TypeError, match=r"^a: expected an array or a \(nested\) list"):
     validation.as_array("a", [[1, 2], [3]])
   validation.check_key("key", jax.random.PRNGKey(0))
+
+
+# ---- x64 ---------------------------------------------------------------------------------------------
+
+X64_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+assert jax.config.jax_enable_x64
+import dspark_jax as dj
+from tests import helpers
+from tests.test_decoding import make_target, make_draft, PROMPTS
+V = 12
+head = helpers.make_head("gated", V, 4, 3)
+params = dj.SamplingParams(temperature=[0.0, 0.7, 1.0])
+base = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2, V)), jnp.float32)
+hidden = jnp.ones((3, 2, 3), jnp.float32)
+step = dj.sample_step(base[:, 0], params, jax.random.key(0), np.array([1, 2, 3]))
+block = dj.sample_block(head, base, np.array([1, 2, 3]), hidden, params, jax.random.key(0),
+                        np.array([4, 5, 6]))
+eager = dj.sample_block_eager(head, base, np.array([1, 2, 3]), hidden, params, jax.random.key(0),
+                              np.array([4, 5, 6]))
+result = dj.verify(jnp.zeros((3, 3, V)), block, params, jax.random.key(1), np.array([4, 5, 6]))
+target = make_target()
+draft = make_draft(target, 3, "vanilla")
+for temps in ([0.0] * 5, [0.0, 1.0, 0.5, 1.0, 0.0]):
+  p = dj.SamplingParams(temperature=temps)
+  spec = dj.generate(target, draft, PROMPTS, p, jax.random.key(0), max_new_tokens=6)
+  plain = dj.generate(target, None, PROMPTS, p, jax.random.key(0), max_new_tokens=6, spec=False)
+  assert spec.tokens.shape == plain.tokens.shape == (5, 6)
+print("x64 ok", step.dtype, block.tokens.dtype, int(result.num_committed.sum()))
+"""
+
+
+def test_core_paths_run_under_x64():
+  # With jax_enable_x64 (common in distribution work) every public path runs: sampling, the folded
+  # and eager block, verification, speculative and plain generate. Was: generate failed with
+  # "while_loop body ... int32 vs int64". A subprocess, since x64 is a process-wide setting.
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", X64_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "x64 ok int32 int32" in run.stdout
