@@ -39,17 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.models import draft as dm
-from dspark_jax.models import layers
-from dspark_jax.draft import memory_gate
+from dspark_jax import validation
+from dspark_jax import verification
 from dspark_jax.draft import block as proposal
+from dspark_jax.draft import memory_gate
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import pallas_block
-from dspark_jax.sampling import sampler as sampling
-from dspark_jax.sampling import params as sp
-from dspark_jax.sampling import target_law
+from dspark_jax.models import draft as dm
+from dspark_jax.models import layers
 from dspark_jax.models import target as tm
-from dspark_jax import verification
+from dspark_jax.sampling import params as sp
+from dspark_jax.sampling import sampler as sampling
+from dspark_jax.sampling import target_law
 
 PATH_AUTOREGRESSIVE = "autoregressive"
 MIN_BUCKET = 8
@@ -325,6 +326,35 @@ def _prepare_prompts(prompts, vocab: int) -> tuple[np.ndarray, np.ndarray]:
   return padded, lens
 
 
+def _check_budgets(max_new_tokens, batch: int) -> np.ndarray:
+  """[B] int64 budgets from an int or B ints in [0, 2**31), or ValueError naming the first bad one."""
+  budgets = np.asarray(max_new_tokens)
+  if budgets.dtype.kind not in "iu":
+    raise ValueError(f"max_new_tokens: expected an int or {batch} ints, got {max_new_tokens!r}")
+  if budgets.ndim > 1 or (budgets.ndim == 1 and budgets.shape[0] != batch):
+    raise ValueError(f"max_new_tokens: expected an int or {batch} ints (one per prompt), got "
+                     f"shape {budgets.shape}")
+  budgets = np.broadcast_to(budgets.astype(np.int64), (batch,))
+  validation.check_range("max_new_tokens", budgets, 0, validation.POSITION_LIMIT,
+                         what="must be in [0, 2**31)")
+  return budgets
+
+
+def check_pair(target: tm.TargetModel, draft: dm.DSparkDraft) -> None:
+  """Raises ValueError unless the draft's real weights fit the target's: the vocabulary of its
+  head and the width of its context projection (configs can agree while the arrays do not)."""
+  vocab, hidden = target.embed.embedding.shape
+  if draft.head.vocab_size != vocab:
+    raise ValueError(f"draft: its head has a vocabulary of {draft.head.vocab_size}, the target's "
+                     f"embedding {vocab}")
+  features = len(draft.config.target_layer_ids) * hidden
+  kernel = tuple(draft.fc.kernel.shape)
+  if kernel != (features, hidden):
+    raise ValueError(f"draft: its context projection fc is {list(kernel)}; the target (hidden size "
+                     f"{hidden}, {len(draft.config.target_layer_ids)} feature layers) needs "
+                     f"{[features, hidden]}")
+
+
 def _choose_path(spec, params, draft, batch, vocab, mode, memory_stats, headroom_bytes,
                  store_logits=True):
   if not spec:
@@ -379,15 +409,14 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     if draft is None:
       raise ValueError("draft: required for speculative decoding (pass spec=False for the baseline)")
     draft.config.check_against(target.config)
+    check_pair(target, draft)
   prompt, prompt_lens = _prepare_prompts(prompts, vocab)
   batch = prompt.shape[0]
   if not isinstance(params, sp.SamplingParams):
     raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
   if params.batch_size != batch:
     raise ValueError(f"params: has {params.batch_size} rows but there are {batch} prompts")
-  max_new = np.broadcast_to(np.asarray(max_new_tokens), (batch,))
-  if max_new.dtype.kind not in "iu" or (max_new < 0).any():
-    raise ValueError(f"max_new_tokens: expected integers >= 0, got {max_new_tokens!r}")
+  max_new = _check_budgets(max_new_tokens, batch)
   stop_ids = verification.stop_id_array(stop_token_ids, batch, vocab)
 
   padded_batch = bucket(batch)

@@ -184,6 +184,8 @@ def stop_id_array(stop_token_ids, batch: int, vocab: int) -> jax.Array:
   sequence of ints) or per row (a [B, S] array padded with -1). Raises ValueError on bad ids."""
   if isinstance(stop_token_ids, (int, np.integer)):
     stop_token_ids = (stop_token_ids,)
+  if isinstance(stop_token_ids, (list, tuple)) and stop_token_ids:
+    stop_token_ids = validation.as_array("stop_token_ids", stop_token_ids)  # ragged: named
   ids = _concrete(stop_token_ids)
   if ids is None:
     ids = jnp.asarray(stop_token_ids, jnp.int32)

@@ -4,6 +4,8 @@ Each test is one case a careful user hit: the silent ones (no error and a wrong 
 result) and the obscure ones (an exception from deep inside NumPy or JAX that names no argument).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,3 +227,45 @@ def test_core_paths_run_under_x64():
                        text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   assert "x64 ok int32 int32" in run.stdout
+
+
+# ---- generate ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+  from tests.test_decoding import make_draft, make_target
+  target = make_target()
+  return target, make_draft(target, 2, "vanilla")
+
+
+@pytest.mark.parametrize("budget,message", [
+    ([4, 4], r"^max_new_tokens: expected an int or 3 ints \(one per prompt\), got shape \(2,\)"),
+    (2**31, r"^max_new_tokens: row 0 is 2147483648; must be in \[0, 2\*\*31\)"),
+    ([1, -1, 2], r"^max_new_tokens: row 1 is -1"),
+    (2.5, r"^max_new_tokens: expected an int or 3 ints"),
+])
+def test_generate_budgets_are_named(pair, budget, message):
+  params = dj.SamplingParams(temperature=[0.0, 0.0, 0.0])
+  with pytest.raises(ValueError, match=message):
+    dj.generate(*pair, [[1, 2], [3], [4]], params, jax.random.key(0), max_new_tokens=budget)
+
+
+def test_generate_refuses_ragged_stop_ids(pair):
+  params = dj.SamplingParams(temperature=[0.0, 0.0])
+  with pytest.raises(TypeError, match=r"^stop_token_ids: expected an array or a \(nested\) list"):
+    dj.generate(*pair, [[1, 2], [3]], params, jax.random.key(0), max_new_tokens=2,
+                stop_token_ids=[[1, 2], [3]])
+
+
+def test_generate_checks_the_draft_weights_not_only_its_config(pair):
+  # Was: check_against compared configs; a draft whose arrays were built for another vocabulary or
+  # hidden size failed deep inside a matmul, or drafted out-of-range tokens.
+  from tests.test_decoding import make_draft, make_target
+  target, _ = pair
+  foreign = make_draft(make_target(vocab=16), 2, "vanilla")
+  foreign.config = dataclasses.replace(foreign.config, mask_token_id=3)  # the configs agree
+  params = dj.SamplingParams(temperature=[0.0])
+  with pytest.raises(ValueError, match=r"^draft: its head has a vocabulary of 16, the target's "
+                                       r"embedding 12"):
+    dj.generate(target, foreign, [[1, 2]], params, jax.random.key(0), max_new_tokens=2)
