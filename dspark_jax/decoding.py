@@ -68,6 +68,11 @@ class GenerateResult:
     tau: mean tokens per round per active row, accepted drafts + bonus (τ); 1 for the baseline.
     acceptance: [γ] conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), over active
       rows and rounds; NaN where no round reached draft k (empty for the baseline).
+    reached, accepted: [γ] int counts behind `acceptance`: how many (row, round) pairs reached
+      draft k (drafts 1..k-1 accepted), and how many of those accepted it (empty for the baseline).
+    row_rounds, row_accepted: [B] int: rounds each row was active, and drafts it accepted over
+      them (zeros for the baseline); row b's τ is ``1 + row_accepted[b] / row_rounds[b]``. Counts,
+      so that calls can be pooled and error bars computed.
     path: "folded-sampling", "folded-greedy", "eager" or "autoregressive".
     wall_seconds: execution time of the decode (compilation excluded; includes the final sync).
     compile_seconds: time spent compiling in this call (0 when every program was cached).
@@ -84,6 +89,10 @@ class GenerateResult:
   wall_seconds: float
   compile_seconds: float
   backend: dispatch.Choice | None = None
+  reached: np.ndarray | None = None
+  accepted: np.ndarray | None = None
+  row_rounds: np.ndarray | None = None
+  row_accepted: np.ndarray | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -129,10 +138,10 @@ def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, c
   if draft is not None:
     gamma = draft.config.gamma
     state["context"] = draft.extend_context(features, positions, draft.init_context(batch, cache_len))
-    state["reached"] = jnp.zeros((gamma,), jnp.float32)
-    state["accepted"] = jnp.zeros((gamma,), jnp.float32)
-    state["tau_sum"] = jnp.float32(0)
-    state["active_rounds"] = jnp.float32(0)
+    state["reached"] = jnp.zeros((gamma,), jnp.int32)
+    state["accepted"] = jnp.zeros((gamma,), jnp.int32)
+    state["row_rounds"] = jnp.zeros((batch,), jnp.int32)
+    state["row_accepted"] = jnp.zeros((batch,), jnp.int32)
   return state
 
 
@@ -193,9 +202,10 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
       anchor_pos=anchor_pos + jnp.where(active, result.num_committed, 0),
       context=draft.extend_context(features, positions, state["context"]),
       rounds=state["rounds"] + 1,
-      reached=state["reached"] + reached.sum(0), accepted=state["accepted"] + accepted.sum(0),
-      tau_sum=state["tau_sum"] + jnp.sum(jnp.where(active, result.accept_len + 1, 0)),
-      active_rounds=state["active_rounds"] + jnp.sum(active))
+      reached=state["reached"] + reached.sum(0, dtype=jnp.int32),
+      accepted=state["accepted"] + accepted.sum(0, dtype=jnp.int32),
+      row_rounds=state["row_rounds"] + active,
+      row_accepted=state["row_accepted"] + jnp.where(active, result.accept_len, 0))
 
 
 def _speculative_round(target, draft, state, max_new, rows, stop_ids, key, greedy_only,
@@ -470,13 +480,18 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   tokens = np.asarray(state["out"])[:batch, :int(max_new.max()) if batch else 0]
   lengths = np.asarray(state["count"])[:batch]
   if spec:
-    tau = float(state["tau_sum"]) / max(float(state["active_rounds"]), 1.0)
-    reached = np.asarray(state["reached"])
-    acceptance = np.where(reached > 0, np.asarray(state["accepted"]) / np.maximum(reached, 1.0),
-                          np.nan)
+    row_rounds = np.asarray(state["row_rounds"])[:batch].astype(np.int64)
+    row_accepted = np.asarray(state["row_accepted"])[:batch].astype(np.int64)
+    tau = 1.0 + float(row_accepted.sum()) / max(float(row_rounds.sum()), 1.0)
+    reached = np.asarray(state["reached"]).astype(np.int64)
+    accepted = np.asarray(state["accepted"]).astype(np.int64)
+    acceptance = np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan)
   else:
     tau, acceptance = 1.0, np.zeros((0,))
+    reached = accepted = np.zeros((0,), np.int64)
+    row_rounds = row_accepted = np.zeros((batch,), np.int64)
   return GenerateResult(tokens=tokens.astype(np.int32), lengths=lengths,
                         finished=np.asarray(state["finished"])[:batch], rounds=int(state["rounds"]),
                         tau=tau, acceptance=acceptance, path=path, wall_seconds=wall,
-                        compile_seconds=compile_seconds, backend=choice)
+                        compile_seconds=compile_seconds, backend=choice, reached=reached,
+                        accepted=accepted, row_rounds=row_rounds, row_accepted=row_accepted)
