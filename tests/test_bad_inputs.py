@@ -269,3 +269,34 @@ def test_generate_checks_the_draft_weights_not_only_its_config(pair):
   with pytest.raises(ValueError, match=r"^draft: its head has a vocabulary of 16, the target's "
                                        r"embedding 12"):
     dj.generate(target, foreign, [[1, 2]], params, jax.random.key(0), max_new_tokens=2)
+
+
+# ---- statistics a paper can pool, and no global side effects ------------------------------------------
+
+
+def test_eval_intervals():
+  from dspark_jax.apps import evaluation
+  # Wilson score interval of 8 / 10 at 95 %: [0.4902, 0.9433] (a textbook value).
+  np.testing.assert_allclose(evaluation.wilson_interval(np.array([8]), np.array([10]))[0],
+                             [0.4902, 0.9433], atol=1e-4)
+  assert np.isnan(evaluation.wilson_interval(np.array([0]), np.array([0]))).all()
+  # τ's interval by prompts: equal per-prompt ratios give a zero-width interval at the ratio.
+  lo, hi = evaluation.tau_interval(np.array([2, 4, 6]), np.array([1, 2, 3]))
+  assert lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+  lo, hi = evaluation.tau_interval(np.array([0, 4, 9]), np.array([2, 2, 3]))
+  assert lo < 1 + 13 / 7 < hi
+
+
+def test_plot_acceptance_leaves_matplotlib_backend_alone(tmp_path):
+  import matplotlib
+  from dspark_jax.apps import evaluation
+  before = matplotlib.get_backend()
+  row = evaluation.StudyRow(
+      drafter="d", temperature=0.0, tau=2.0, acceptance=np.array([0.5, np.nan]), rounds=3,
+      tau_interval=(1.5, 2.5), acceptance_interval=np.array([[0.3, 0.7], [np.nan, np.nan]]),
+      reached=np.array([4, 0]), accepted=np.array([2, 0]), tokens=6, tokens_per_second=1.0,
+      baseline_tokens_per_second=1.0)
+  path = evaluation.plot_acceptance([row], str(tmp_path / "a.png"))
+  assert (tmp_path / "a.png").stat().st_size > 0 and path.endswith("a.png")
+  assert matplotlib.get_backend() == before
+  assert "2.00 [1.50, 2.50]" in evaluation.format_table([row])

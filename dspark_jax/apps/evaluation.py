@@ -5,7 +5,13 @@ temperature, the held-out prompts are decoded speculatively with the DSpark draf
 and with the ablation trained without it, and once autoregressively. It reports τ (mean tokens per
 round, accepted drafts + bonus), the per-position conditional acceptance P(draft k accepted | drafts
 1..k-1 accepted), and tokens/s of each decoder. `format_table` prints it; `plot_acceptance` draws the
-per-position curves (a PNG, via matplotlib).
+per-position curves (a PNG, via matplotlib, without touching its global backend).
+
+Intervals (95 %): τ's treats prompts as the independent units (a ratio estimator, accepted drafts
+over rounds per prompt, with its delta-method standard error); an acceptance point's is the Wilson
+interval of accepted over reached drafts at that position, which treats the drafts as independent
+trials (rounds of one prompt are not quite: read it as a guide). Both come from the counts that
+`generate` returns, so results of several calls can be pooled.
 
 Each configuration is one `generate` call over all prompts (its compilation excluded from tokens/s);
 rows stop at ``<|endoftext|>`` or after ``max_new_tokens``.
@@ -34,14 +40,55 @@ class StudyRow:
   tau: float
   acceptance: np.ndarray
   rounds: int
+  tau_interval: tuple[float, float]
+  acceptance_interval: np.ndarray   # [γ, 2]: low, high (NaN where no draft was reached)
+  reached: np.ndarray               # [γ] counts
+  accepted: np.ndarray              # [γ] counts
   tokens: int
   tokens_per_second: float
   baseline_tokens_per_second: float
 
   def as_dict(self) -> dict:
     out = dataclasses.asdict(self)
-    out["acceptance"] = [None if np.isnan(a) else float(a) for a in self.acceptance]
+    clean = lambda a: None if np.isnan(a) else float(a)
+    out["acceptance"] = [clean(a) for a in self.acceptance]
+    out["acceptance_interval"] = [[clean(a) for a in pair] for pair in self.acceptance_interval]
+    out["tau_interval"] = [float(a) for a in self.tau_interval]
+    out["reached"] = [int(a) for a in self.reached]
+    out["accepted"] = [int(a) for a in self.accepted]
     return out
+
+
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: np.ndarray, trials: np.ndarray, z: float = Z95) -> np.ndarray:
+  """[..., 2] the Wilson score interval of successes / trials (NaN where trials == 0)."""
+  successes, trials = np.asarray(successes, float), np.asarray(trials, float)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    p = successes / trials
+    denominator = 1 + z**2 / trials
+    centre = (p + z**2 / (2 * trials)) / denominator
+    half = z * np.sqrt(p * (1 - p) / trials + z**2 / (4 * trials**2)) / denominator
+  out = np.stack([centre - half, centre + half], axis=-1)
+  out[trials == 0] = np.nan
+  return out
+
+
+def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
+                 z: float = Z95) -> tuple[float, float]:
+  """The interval of τ = 1 + Σ accepted / Σ rounds with prompts as the independent units (the
+  ratio estimator's delta-method standard error); a point interval with fewer than two prompts."""
+  keep = np.asarray(row_rounds) > 0
+  a, r = np.asarray(row_accepted, float)[keep], np.asarray(row_rounds, float)[keep]
+  if r.size == 0:
+    return (float("nan"), float("nan"))
+  ratio = a.sum() / r.sum()
+  if r.size < 2:
+    return (1 + ratio, 1 + ratio)
+  residual = a - ratio * r
+  se = np.sqrt(np.sum(residual**2) / (r.size * (r.size - 1))) / r.mean()
+  return (float(1 + ratio - z * se), float(1 + ratio + z * se))
 
 
 def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = None,
@@ -66,6 +113,9 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
       result = decoding.generate(pair.target, draft, prompts, params, key, **common)
       rows.append(StudyRow(drafter=name, temperature=float(temperature), tau=result.tau,
                            acceptance=result.acceptance, rounds=result.rounds,
+                           tau_interval=tau_interval(result.row_accepted, result.row_rounds),
+                           acceptance_interval=wilson_interval(result.accepted, result.reached),
+                           reached=result.reached, accepted=result.accepted,
                            tokens=int(result.lengths.sum()),
                            tokens_per_second=result.tokens_per_second,
                            baseline_tokens_per_second=baseline.tokens_per_second))
@@ -75,32 +125,40 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
 
 
 def format_table(rows: Sequence[StudyRow]) -> str:
-  """A markdown table: τ, per-position acceptance and tokens/s per configuration."""
+  """A markdown table: τ and per-position acceptance with 95 % intervals, tokens/s."""
   gamma = len(rows[0].acceptance)
-  head = ("| drafter | T | τ | " + " | ".join(f"acc@{k + 1}" for k in range(gamma)) +
+  head = ("| drafter | T | τ [95 %] | " + " | ".join(f"acc@{k + 1}" for k in range(gamma)) +
           " | tokens/s | plain tokens/s |")
   lines = [head, "|---|---:|---:|" + "---:|" * gamma + "---:|---:|"]
   for row in rows:
-    acc = " | ".join("–" if np.isnan(a) else f"{a:.2f}" for a in row.acceptance)
-    lines.append(f"| {row.drafter} | {row.temperature:g} | {row.tau:.2f} | {acc} | "
-                 f"{row.tokens_per_second:.0f} | {row.baseline_tokens_per_second:.0f} |")
+    acc = " | ".join("–" if np.isnan(a) else f"{a:.2f} [{lo:.2f}, {hi:.2f}]"
+                     for a, (lo, hi) in zip(row.acceptance, row.acceptance_interval))
+    lo, hi = row.tau_interval
+    lines.append(f"| {row.drafter} | {row.temperature:g} | {row.tau:.2f} [{lo:.2f}, {hi:.2f}] | "
+                 f"{acc} | {row.tokens_per_second:.0f} | {row.baseline_tokens_per_second:.0f} |")
   return "\n".join(lines)
 
 
 def plot_acceptance(rows: Sequence[StudyRow], path: str) -> str:
-  """Per-position conditional acceptance, one panel per temperature; saves a PNG at `path`."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """Per-position conditional acceptance with 95 % intervals, one panel per temperature; saves a
+  PNG at `path`. Draws on its own figure and canvas: matplotlib's global backend is not changed."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
   temperatures = sorted({row.temperature for row in rows})
-  fig, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 3.6), squeeze=False)
+  fig = Figure(figsize=(5 * len(temperatures), 3.6))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(1, len(temperatures), squeeze=False)
   for ax, temperature in zip(axes[0], temperatures):
     for row in rows:
       if row.temperature != temperature:
         continue
       positions = np.arange(1, len(row.acceptance) + 1)
-      ax.plot(positions, row.acceptance, marker="o", label=f"{row.drafter} (τ = {row.tau:.2f})")
+      interval = np.asarray(row.acceptance_interval)
+      errors = np.abs(interval - np.asarray(row.acceptance)[:, None]).T
+      lo, hi = row.tau_interval
+      ax.errorbar(positions, row.acceptance, yerr=errors, marker="o", capsize=3,
+                  label=f"{row.drafter} (τ = {row.tau:.2f} [{lo:.2f}, {hi:.2f}])")
     ax.set_title(f"T = {temperature:g}")
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | 1..k-1 accepted)")
@@ -109,5 +167,4 @@ def plot_acceptance(rows: Sequence[StudyRow], path: str) -> str:
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
   return path
