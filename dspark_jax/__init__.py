@@ -12,11 +12,12 @@ Public API (each name documented in its module):
 * `verify`, `AcceptResult` (verification): lossless verification of a draft block.
 * `TargetModel`, `TargetConfig` (models.target), `DSparkDraft`, `DraftConfig` (models.draft), `LayerShape`
   (models.layers): the models.
-* `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops.
+* `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
+  `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
 * `dspark_jax.testing`: exact reference laws, chi-square, and a toy pair for distribution checks.
 """
 
-from dspark_jax.decoding import GenerateResult, generate
+from dspark_jax.decoding import DecodeOutput, GenerateResult, decode, generate
 from dspark_jax.draft.block import DraftBlock, sample_block, sample_block_eager
 from dspark_jax.draft.heads import (ConfidenceHead, MarkovHead, confidence_head_from_arrays,
                                     markov_head_from_arrays)
@@ -33,9 +34,10 @@ from dspark_jax.verification import AcceptResult, verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptResult", "ConfidenceHead", "DSparkDraft", "DraftConfig", "GenerateResult", "LayerShape",
-    "TargetConfig", "TargetModel", "generate", "DraftBlock", "DraftSampler", "FoldedSampling", "GateDecision", "MarkovHead",
-    "SamplingParams", "Stream", "build_draft_sampler", "confidence_head_from_arrays",
-    "markov_head_from_arrays", "row_keys", "sample_block", "sample_block_eager", "sample_step",
-    "sample_target", "target_log_probs", "verify",
+    "AcceptResult", "build_draft_sampler", "confidence_head_from_arrays", "ConfidenceHead",
+    "decode", "DecodeOutput", "DraftBlock", "DraftConfig", "DraftSampler", "DSparkDraft",
+    "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape",
+    "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
+    "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
+    "TargetModel", "verify",
 ]
