@@ -1,4 +1,30 @@
 import os
 
-# Tests run on the CPU (CI has no GPU); keep XLA from grabbing every core for one op.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+# Tests run on the CPU (CI has no GPU); keep XLA from grabbing every core for one op. With
+# DSPARK_TEST_GPU=1 JAX picks its platform as usual, so the same tests run on a GPU host (tests
+# marked `gpu` run only there).
+if os.environ.get("DSPARK_TEST_GPU") != "1":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:  # pytest's workers (pytest-xdist) share the GPU: none may take most of its memory up front
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
+  skipped unless JAX's default backend is a GPU."""
+  for item in items:
+    if item.path.suffix == ".ipynb":
+      item.add_marker(pytest.mark.slow)
+  gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+  if not gpu_items:
+    return
+  import jax
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return
+  skip = pytest.mark.skip(reason=f"needs a GPU (JAX's default backend is {backend!r}; on a GPU "
+                                 "host run with DSPARK_TEST_GPU=1)")
+  for item in gpu_items:
+    item.add_marker(skip)

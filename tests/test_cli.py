@@ -11,6 +11,17 @@ def test_probe_prints_the_decision(capsys):
                    "--dtype", "bf16", "--rank", "8"]) == 0
   out = capsys.readouterr().out
   assert "mode=AUTO" in out and "need=" in out and "compiled=" in out and "reason:" in out
+  # The backend of every variant and bucket, with its reason, and the dispatch table.
+  assert "backend per variant and padding bucket:" in out
+  assert "  greedy   B=4 " in out and "  sampling B=1 " in out
+  assert "default (auto) on a GPU" in out and "hopper preconditions:" in out
+
+
+def test_probe_names_a_backend_that_cannot_run(capsys):
+  # An explicit backend is checked at every bucket: V = 1000 has no 16-column tile.
+  with pytest.raises(ValueError, match="^backend 'triton': precondition failed: V has a"):
+    cli.main(["probe", "--max-batch-size", "2", "--vocab", "1000", "--gamma", "2", "--backend",
+              "triton"])
 
 
 def test_probe_off_mode(capsys, monkeypatch):

@@ -12,6 +12,8 @@ from flax import nnx
 
 import dspark_jax as dj
 from dspark_jax import decoding
+from dspark_jax.draft import block as proposal
+from dspark_jax.kernels import dispatch
 from dspark_jax.models import draft as dm
 from dspark_jax.testing import law_checks
 from dspark_jax.models import layers
@@ -58,6 +60,7 @@ def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
   plain = dj.generate(target, None, PROMPTS, params, jax.random.key(0), max_new_tokens=budgets,
                       spec=False)
   assert spec.path == "folded-greedy" and plain.path == "autoregressive"
+  assert spec.backend is not None and plain.backend is None
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   np.testing.assert_array_equal(spec.lengths, budgets)
   assert spec.rounds < plain.rounds or gamma == 1
@@ -79,18 +82,20 @@ def test_rounds_mix_rejections_and_acceptance_and_rows_do_not_interact(target):
 
 
 def test_stale_cache_entries_are_never_read(target):
-  # Fill the KV cache with garbage, then run a prompt: logits equal a fresh cache's.
+  # Fill the KV cache with garbage, then run a prompt: logits equal a fresh cache's. (Compiled, as
+  # `generate` runs it: one program per shape instead of one per operation.)
+  run = nnx.jit(lambda model, tokens, positions, cache: model(tokens, positions, cache))
   tokens = jnp.array([[3, 1, 4, 1, 5]])
   positions = jnp.arange(5)[None]
   fresh = tm.init_cache(target.config, 1, 12)
   garbage = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape) * 50, fresh)
-  want, _, _ = target(tokens, positions, fresh)
-  got, _, _ = target(tokens, positions, garbage)
+  want, _, _ = run(target, tokens, positions, fresh)
+  got, _, _ = run(target, tokens, positions, garbage)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # Incremental decoding equals one pass.
   cache = tm.init_cache(target.config, 1, 12)
-  first, _, cache = target(tokens[:, :3], positions[:, :3], cache)
-  rest, _, _ = target(tokens[:, 3:], positions[:, 3:], cache)
+  first, _, cache = run(target, tokens[:, :3], positions[:, :3], cache)
+  rest, _, _ = run(target, tokens[:, 3:], positions[:, 3:], cache)
   np.testing.assert_allclose(jnp.concatenate([first, rest], 1), want, rtol=1e-5, atol=1e-5)
 
 
@@ -129,6 +134,7 @@ def _exact_first_three(target, prompt, temperature):
   return law
 
 
+@pytest.mark.slow
 def test_speculative_sampling_law_equals_the_target_law():
   # N = 60,000 sampled rows (T = 1) with 6,000 greedy rows interleaved, one prompt, V = 8, γ = 3.
   # Statistic: Pearson chi-square of the first three generated tokens over all 512 outcomes against
@@ -153,29 +159,92 @@ def test_speculative_sampling_law_equals_the_target_law():
 
 
 def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
-  # On a Hopper GPU (from 64 rows, V a multiple of 64) `generate` prepares the head's arrays once,
-  # outside the rounds' loop (`proposal.prepare_head_arrays`: W2 part by part for the Hopper
-  # kernels). Posing as one here (5 rows qualify, V = 64): the arrays are prepared once per trace
-  # and the tokens do not change (on the CPU no kernel reads the parts).
-  from dspark_jax.draft import block as proposal
+  # Where the Hopper kernels run, `generate` prepares the head's arrays once, outside the rounds'
+  # loop (`pallas_block.head_arrays_for` with the decode's choice: W2 part by part as well, which
+  # those kernels read; test_dispatch checks when it prepares). Preparing here regardless (on the
+  # CPU the XLA backend drafts, which ignores the parts): the arrays are prepared once per trace,
+  # for the choice `result.backend` records, and the tokens do not change.
+  from dspark_jax.kernels import pallas_block
   target = make_target(vocab=64)
   draft = make_draft(target, 4, "vanilla")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])
   run = lambda: dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=10)
   plain = run()
   prepared = []
-  monkeypatch.setattr(proposal, "is_hopper", lambda device=None: True)
-  monkeypatch.setattr(proposal, "HOPPER_SAMPLING_FROM_BATCH", 1)
-  monkeypatch.setattr(proposal, "prepare_head_arrays",
-                      lambda arrays, prepare=proposal.prepare_head_arrays:
-                      prepared.append(1) or prepare(arrays))
-  # Compiled and traced again under the patches (a new function object has no cached trace),
-  # and both dropped afterwards.
+  monkeypatch.setattr(pallas_block, "head_arrays_for",
+                      lambda arrays, choices: prepared.append(list(choices))
+                      or pallas_block.prepare_head_arrays(arrays))
+  # Compiled and traced again under the patch (a new function object has no cached trace), and
+  # both dropped afterwards.
   monkeypatch.setattr(decoding, "_COMPILED", {})
   monkeypatch.setattr(decoding, "_decode_program", functools.partial(decoding._decode_program))
   posed = run()
-  assert prepared == [1] and posed.path == plain.path == "folded-sampling"
+  assert prepared == [[posed.backend]] and posed.path == plain.path == "folded-sampling"
+  assert posed.backend == plain.backend
   np.testing.assert_array_equal(plain.tokens, posed.tokens)
+
+
+def test_generate_records_the_backend(target, monkeypatch):
+  # `GenerateResult.backend`: the choice that drafted a folded path's blocks, with its reason (None
+  # for the eager path and the baseline: test_greedy_speculative_equals_greedy_autoregressive,
+  # test_eager_fallback_equals_folded_sampling). An explicit backend and config are recorded as
+  # asked; a bad one, or a bad $DSPARK_JAX_BACKEND, is an error naming it, before compiling.
+  draft = make_draft(target, 4, "gated")
+  greedy = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
+  run = functools.partial(dj.generate, target, draft, PROMPTS, greedy, jax.random.key(5),
+                          max_new_tokens=6)
+  auto = run()
+  assert auto.path == "folded-greedy"
+  assert auto.backend == proposal.choose_backend(
+      draft.head.arrays(), jax.ShapeDtypeStruct((8, 4, VOCAB), draft.config.dtype),
+      kind="gated", greedy_only=True)
+  if jax.default_backend() == "cpu":
+    assert auto.backend.name == "xla" and auto.backend.reason.startswith("auto: cpu is not a GPU")
+  unrolled = run(backend="xla", config=dispatch.XlaConfig(form="unrolled"))
+  assert unrolled.backend.config == dispatch.XlaConfig(form="unrolled")
+  assert unrolled.backend.reason.startswith("xla requested")
+  np.testing.assert_array_equal(unrolled.tokens, auto.tokens)  # greedy: the target's tokens
+  with pytest.raises(ValueError, match="^backend: expected 'auto', 'xla', 'triton' or 'hopper', "
+                                       "got 'fused'"):
+    run(backend="fused")
+  with pytest.raises(ValueError, match="^backend 'triton': precondition failed: V has a "
+                                       "power-of-two tile"):  # V = 12
+    run(backend="triton")
+  monkeypatch.setenv(dispatch.ENV_VAR, "fused")
+  with pytest.raises(ValueError, match=r"^\$DSPARK_JAX_BACKEND: expected"):
+    run()
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_hopper_backend_decodes_the_targets_greedy_tokens():
+  # The Hopper backend inside `generate`'s rounds (in the interpreter: 64 rows, bf16 draft,
+  # V = 128, r = 128), the head's arrays prepared once outside the loop. Greedy rows decode the
+  # target's own greedy tokens whatever the draft proposes (the baseline's, exactly); sampled rows
+  # run the sampling kernel (their tokens depend on the draft's draws: checked for range only).
+  vocab, batch = 128, 64
+  target = make_target(vocab=vocab, seed=2)
+  config = dm.DraftConfig(gamma=3, target_layer_ids=(-1, 1), mask_token_id=vocab - 1,
+                          head_kind="vanilla", rank=vocab, dtype=jnp.bfloat16,
+                          param_dtype=jnp.bfloat16)
+  draft = dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(1))
+  draft.head.w1[...] = jnp.eye(vocab, dtype=jnp.bfloat16)
+  draft.head.w2[...] = 4.0 * jnp.eye(vocab, dtype=jnp.bfloat16)
+  prompts = [[(7 * i) % vocab, (3 * i + 1) % vocab] for i in range(batch)]
+  greedy_rows = np.arange(batch) % 2 == 0
+  params = dj.SamplingParams(temperature=np.where(greedy_rows, 0.0, 1.0), seed=np.arange(batch))
+  plain = dj.generate(target, None, prompts, dj.SamplingParams(temperature=0.0, batch_size=batch),
+                      jax.random.key(3), max_new_tokens=5, spec=False)
+  for p, path in ((dj.SamplingParams(temperature=0.0, batch_size=batch), "folded-greedy"),
+                  (params, "folded-sampling")):
+    result = dj.generate(target, draft, prompts, p, jax.random.key(3), max_new_tokens=5,
+                         backend="hopper", mode="force")
+    assert result.path == path and result.backend.name == "hopper", result.backend
+    assert result.backend.reason == ("hopper requested, in Pallas' interpreter"
+                                     if jax.default_backend() == "cpu" else "hopper requested, on gpu")
+    rows = np.asarray(p.greedy_mask)
+    np.testing.assert_array_equal(result.tokens[rows], plain.tokens[rows])
+    assert np.all((result.tokens >= 0) & (result.tokens < vocab)) and np.all(result.lengths == 5)
 
 
 def test_eager_fallback_equals_folded_sampling(target):
@@ -186,6 +255,7 @@ def test_eager_fallback_equals_folded_sampling(target):
   eager = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=10,
                       mode="off")
   assert (folded.path, eager.path) == ("folded-sampling", "eager")
+  assert folded.backend is not None and eager.backend is None
   np.testing.assert_array_equal(folded.tokens, eager.tokens)
 
 

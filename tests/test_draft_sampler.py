@@ -11,6 +11,8 @@ import dspark_jax as dj
 from dspark_jax.draft import proposer as draft_sampler
 from dspark_jax.draft import memory_gate
 from dspark_jax.draft import block as proposal
+from dspark_jax.kernels import dispatch
+from dspark_jax.kernels import pallas_block
 from tests import helpers
 
 GAMMA, VOCAB, RANK, HIDDEN = 4, 96, 8, 6
@@ -18,9 +20,9 @@ BIG = {"bytes_limit": 64 * 2**30, "bytes_in_use": 2**30}
 SMALL = {"bytes_limit": 2 * 2**30, "bytes_in_use": 2**30 + 2**20}
 
 
-def _build(kind="rnn", max_batch_size=8, **kwargs):
-  head = helpers.make_head(kind, VOCAB, RANK, HIDDEN)
-  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(HIDDEN + RANK, GAMMA))
+def _build(kind="rnn", max_batch_size=8, rank=RANK, **kwargs):
+  head = helpers.make_head(kind, VOCAB, rank, HIDDEN)
+  conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(HIDDEN + rank, GAMMA))
   kwargs.setdefault("memory_stats", BIG)
   return dj.build_draft_sampler(head, max_batch_size=max_batch_size, vocab_size=VOCAB, gamma=GAMMA,
                                 logits_dtype=jnp.float32, confidence_head=conf, **kwargs)
@@ -91,12 +93,15 @@ def test_padding_never_changes_a_row():
     helpers.assert_same_block(part, head, fields=("tokens", "corrected_logits"))
 
 
-@pytest.mark.parametrize("form", ["auto", "pallas"])
-def test_steady_state_never_recompiles(form):
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.kernel)])
+def test_steady_state_never_recompiles(backend):
   # Counted two ways: the sampler's own program count, and XLA backend compilations seen by
-  # jax.monitoring while proposing shapes that were proposed before. "pallas" covers the kernel
-  # form's extra jitted pieces (its per-step kernel wrapper, the up-front noise).
-  sampler = _build(mode="force", max_batch_size=8, form=form)
+  # jax.monitoring while proposing shapes that were proposed before. "triton" (in Pallas'
+  # interpreter; r = 16, the kernel's least) covers the kernel backend's extra jitted pieces (its
+  # per-step kernel wrapper, the up-front noise).
+  sampler = _build(mode="force", max_batch_size=8, backend=backend,
+                   rank=16 if backend == "triton" else RANK)
+  assert {c.name for c in sampler.backends.values()} == {"xla" if backend == "auto" else backend}
   sampler.warmup(jnp.float32)
   programs = sampler.compilations
   assert programs == 2 * len(sampler.buckets)
@@ -202,11 +207,24 @@ def test_build_rejects_bad_arguments():
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=95, gamma=2)
   with pytest.raises(ValueError, match="gamma: must be >= 1"):
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=0)
-  with pytest.raises(ValueError, match="form: expected \"auto\" or one of"):
-    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, form="fused")
-  with pytest.raises(ValueError, match="form: \"pallas\" needs a vocab divisible by 16, got 90"):
-    dj.build_draft_sampler(helpers.make_head("vanilla", 90, RANK, HIDDEN), max_batch_size=2,
-                           vocab_size=90, gamma=2, form="pallas")
+  with pytest.raises(ValueError, match="^backend: expected 'auto', 'xla', 'triton' or 'hopper', "
+                                       "got 'fused'"):
+    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, backend="fused")
+  # An explicit backend must run at every bucket: the error names the failed precondition.
+  with pytest.raises(ValueError, match="^backend 'triton': precondition failed: V has a "
+                                       "power-of-two tile of at least 16 columns"):
+    dj.build_draft_sampler(helpers.make_head("vanilla", 90, 16, HIDDEN), max_batch_size=2,
+                           vocab_size=90, gamma=2, backend="triton")
+  with pytest.raises(ValueError, match="^backend 'triton': precondition failed: r is a multiple "
+                                       "of 16"):
+    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, backend="triton")
+  with pytest.raises(ValueError, match="^backend 'hopper': precondition failed: W2 and the logits "
+                                       "are bfloat16"):
+    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, backend="hopper",
+                           logits_dtype=jnp.float32)
+  with pytest.raises(ValueError, match="^config: TritonConfig is not a setting of backend 'xla'"):
+    dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, backend="xla",
+                           config=dispatch.TritonConfig())
   with pytest.raises(ValueError, match="logits_dtype"):
     dj.build_draft_sampler(head, max_batch_size=2, vocab_size=VOCAB, gamma=2, logits_dtype=jnp.int32)
   conf = dj.confidence_head_from_arrays(helpers.confidence_arrays(HIDDEN))
@@ -217,33 +235,94 @@ def test_build_rejects_bad_arguments():
   assert vanilla.hidden_size == HIDDEN
 
 
-def test_auto_form_policy():
-  # The measured choice (BENCHMARKS.md, issue 6); "loop" off the GPU.
-  choose = proposal.choose_form
-  assert choose(False, 129280, "cpu") == "loop" and choose(True, 129280, "cpu") == "loop"
-  assert choose(True, 129280, "gpu") == "pallas" and choose(False, 151936, "gpu") == "pallas"
-  assert choose(False, 95, "gpu") == "loop"  # no 16-column tile divides V
-  assert choose(True, 95, "gpu") == "unrolled"
+def test_backends_record_the_choice_and_its_reason(monkeypatch):
+  # `DraftSampler.backends`: the choice per enabled variant and bucket; `DraftBlock.backend`: the
+  # choice that drafted a folded block (None on the eager path). On the CPU "auto" is XLA.
+  sampler = _build(mode="force")
+  backends = sampler.backends
+  assert set(backends) == {(variant, bucket) for variant in ("greedy", "sampling")
+                           for bucket in sampler.buckets}
+  for (variant, bucket), choice in backends.items():
+    assert choice is sampler.choice(variant == "greedy", bucket)
+    if jax.default_backend() == "cpu":
+      assert choice.backend is dispatch.Backend.XLA and choice.config.form == "loop"
+      assert choice.reason.startswith("auto: cpu is not a GPU")
+  inputs = _batch(5)
+  mixed = sampler.propose(**inputs)
+  assert mixed.backend is backends[("sampling", 8)]
+  greedy = sampler.propose(**dict(inputs, params=dj.SamplingParams(temperature=np.zeros(5))))
+  assert greedy.backend is backends[("greedy", 8)]
+  gate_off = _build(mode="off")  # no folded sampling variant: no sampling backends
+  assert set(gate_off.backends) == {("greedy", bucket) for bucket in gate_off.buckets}
+  assert gate_off.propose(**inputs).backend is None  # the eager path
+  # `sample_block` records its own decision; an explicit backend says it was asked for.
+  head, conf = sampler.head, sampler.confidence_head
+  block = dj.sample_block(head, **inputs, confidence_head=conf)
+  assert block.backend == proposal.choose_backend(head.arrays(), inputs["base_logits"],
+                                                  kind=head.kind, greedy_only=False,
+                                                  confidence=True)
+  forced = dj.sample_block(head, **inputs, confidence_head=conf, backend="xla",
+                           config=dispatch.XlaConfig(form="unrolled"))
+  assert forced.backend.backend is dispatch.Backend.XLA
+  assert forced.backend.config == dispatch.XlaConfig(form="unrolled")
+  assert forced.backend.reason.startswith("xla requested")
+  assert dj.sample_block_eager(head, **inputs, confidence_head=conf).backend is None
+  # $DSPARK_JAX_BACKEND is read where `backend` is None.
+  monkeypatch.setenv(dispatch.ENV_VAR, "xla")
+  from_env = _build(mode="force")
+  assert from_env.backend is None
+  assert all(c.reason.startswith("xla requested") for c in from_env.backends.values())
+  monkeypatch.setenv(dispatch.ENV_VAR, "sometimes")
+  with pytest.raises(ValueError, match=r"^\$DSPARK_JAX_BACKEND: expected 'auto'"):
+    _build(mode="force")
 
 
-def test_prepared_head_arrays_on_a_hopper_gpu(monkeypatch):
-  # Where its buckets may run a Hopper kernel (`proposal.reads_w2_parts`), the sampler compiles
-  # and calls its programs with the head's arrays prepared (W2 part by part as well). Posing as
-  # such a GPU here (V = 128): the arrays are prepared and the blocks do not change (on the CPU no
-  # kernel reads the parts).
-  head = helpers.make_head("vanilla", 128, RANK, HIDDEN)
+@pytest.mark.kernel
+def test_head_arrays_prepared_once_where_a_bucket_runs_the_hopper_kernels(monkeypatch):
+  # Where any bucket runs the Hopper kernels the sampler compiles and calls all its programs with
+  # the head's arrays prepared once (`pallas_block.head_arrays_for`: W2 part by part as well, which
+  # those kernels read). Here bucket 64 runs them (in the interpreter on the CPU: `dispatch.choose`
+  # patched to ask for "hopper" there; bf16, V = 128, r = 64) and the other buckets what they ran
+  # before (XLA on the CPU, which ignores the parts). Against a sampler without the patch: the
+  # other buckets' blocks are the same (the same arithmetic); the Hopper bucket's agree
+  # (`assert_blocks_agree`: the kernel sums v @ W2 in its own order).
+  vocab, rank = 128, 64
+  arrays = helpers.head_arrays("vanilla", vocab, rank, HIDDEN, seed=3)
+  head = dj.markov_head_from_arrays(
+      "vanilla", {name: jnp.asarray(a, jnp.bfloat16) for name, a in arrays.items()})
+  build = lambda: dj.build_draft_sampler(head, max_batch_size=64, vocab_size=vocab, gamma=GAMMA,
+                                         logits_dtype=jnp.bfloat16, memory_stats=BIG)
   rng = np.random.default_rng(3)
-  inputs = dict(base_logits=jnp.asarray(rng.normal(size=(5, GAMMA, 128)), jnp.float32),
-                anchor=jnp.arange(5, dtype=jnp.int32), hidden=None,
-                params=dj.SamplingParams(temperature=[0.0, 0.9, 1.0, 0.0, 1.3], seed=np.arange(5)),
-                key=jax.random.key(5), positions=jnp.arange(5, dtype=jnp.int32) * 3)
-  build = lambda: dj.build_draft_sampler(head, max_batch_size=8, vocab_size=128, gamma=GAMMA,
-                                         logits_dtype=jnp.float32, memory_stats=BIG)
-  plain = build().propose(**inputs)
-  monkeypatch.setattr(proposal, "reads_w2_parts", lambda batch, vocab, device=None: True)
-  sampler = build()
-  posed = sampler.propose(**inputs)
-  assert set(sampler._weights[0]) == {"w1", "w2", "w2_parts"}
-  np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(posed.tokens))
-  np.testing.assert_array_equal(np.asarray(plain.corrected_logits),
-                                np.asarray(posed.corrected_logits))
+
+  def inputs(batch, temperature):
+    return dict(base_logits=jnp.asarray(rng.normal(0, 2, (batch, GAMMA, vocab)), jnp.bfloat16),
+                anchor=jnp.asarray(rng.integers(0, vocab, batch), jnp.int32), hidden=None,
+                params=dj.SamplingParams(temperature=temperature, seed=np.arange(batch) + 7),
+                key=jax.random.key(5), positions=jnp.arange(batch, dtype=jnp.int32) * 3)
+  calls = [inputs(64, np.tile([0.0, 0.9, 1.0, 1.3], 16)), inputs(64, np.zeros(64)),
+           inputs(5, [0.0, 0.9, 1.0, 0.0, 1.3])]
+  plain = build()
+  plain_blocks = [plain.propose(**call) for call in calls]
+  if jax.default_backend() == "cpu":  # (on a Hopper GPU "auto" takes the kernels at 64 rows)
+    assert set(plain._weights[0]) == {"w1", "w2"}
+
+  choose = dispatch.choose
+  monkeypatch.setattr(dispatch, "choose", lambda problem, backend=None, config=None: choose(
+      problem, "hopper" if problem.batch == 64 else backend, config))
+  posed = build()
+  assert posed.backends[("sampling", 64)].backend is dispatch.Backend.HOPPER
+  assert posed.backends[("greedy", 64)].reason.startswith("hopper requested")
+  for variant in ("greedy", "sampling"):  # the other buckets as they were
+    assert posed.backends[(variant, 8)] == plain.backends[(variant, 8)]
+    assert posed.backends[(variant, 8)].backend is not dispatch.Backend.HOPPER
+  prepared = []
+  monkeypatch.setattr(pallas_block, "prepare_head_arrays",
+                      lambda arrays, prepare=pallas_block.prepare_head_arrays:
+                      prepared.append(1) or prepare(arrays))
+  blocks = [posed.propose(**call) for call in calls]
+  assert prepared == [1] and set(posed._weights[0]) == {"w1", "w2", "w2_parts"}
+  assert [b.backend.name for b in blocks] == ["hopper", "hopper", plain_blocks[2].backend.name]
+  for name, a, b in zip(("mixed", "greedy"), plain_blocks, blocks):
+    helpers.assert_blocks_agree((a.tokens, a.corrected_logits), (b.tokens, b.corrected_logits),
+                                what=f"hopper bucket, {name}")
+  helpers.assert_same_block(plain_blocks[2], blocks[2], fields=("tokens", "corrected_logits"))

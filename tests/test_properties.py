@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +41,7 @@ def test_sample_step_invariants(batch, vocab, scale, data_seed):
   np.testing.assert_array_equal(reverse, tokens[::-1])
 
 
+@pytest.mark.slow  # 25 examples, each compiling a folded and an eager program: 12-16 s
 @SETTINGS
 @given(kind=st.sampled_from(["vanilla", "gated", "rnn"]), batch=st.integers(1, 5),
        gamma=st.integers(1, 5), vocab=st.sampled_from([2, 5, 33]), rank=st.sampled_from([1, 4]),
@@ -58,8 +60,9 @@ def test_block_invariants(kind, batch, gamma, vocab, rank, greedy_rows, data_see
   eager = dj.sample_block_eager(*args)
   tokens = np.asarray(folded.tokens)
   assert tokens.shape == (batch, gamma) and np.all((tokens >= 0) & (tokens < vocab))
-  np.testing.assert_array_equal(tokens, np.asarray(eager.tokens))
-  np.testing.assert_array_equal(np.asarray(folded.corrected_logits), np.asarray(eager.corrected_logits))
+  # The folded and eager paths are two XLA programs running the same step: bit for bit on the CPU
+  # (`assert_same_block`; to last-bit rounding of the product on a GPU).
+  helpers.assert_same_block(folded, eager, fields=("tokens", "corrected_logits"))
   greedy = np.asarray(params.greedy_mask)
   np.testing.assert_array_equal(tokens[greedy],
                                 np.argmax(np.asarray(folded.corrected_logits)[greedy], axis=-1))

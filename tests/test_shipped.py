@@ -82,6 +82,7 @@ def test_demo_runs_end_to_end(capsys):
   assert "τ (tokens per round" in out and "greedy speculative and plain outputs share" in out
 
 
+@pytest.mark.slow
 def test_eval_runs_end_to_end(tmp_path, capsys):
   assert cli.main(["eval", "--prompts", "3", "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
   result = json.load(open(tmp_path / "acceptance.json"))
@@ -97,6 +98,7 @@ TINY = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(-1, 1),
                                                head_dim=8, intermediate_size=64))
 
 
+@pytest.mark.slow  # 13-15 s on 2 cores
 def test_training_decreases_the_loss_and_resumes(tmp_path):
   stream = np.tile(np.arange(64, dtype=np.uint16), 200)  # a learnable pattern
   batches = training.lm_batches(stream, 8, 32, seed=0)
