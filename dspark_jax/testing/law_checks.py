@@ -162,7 +162,11 @@ def chi_square(counts, probs, min_expected: float = MIN_EXPECTED):
   Returns:
     (statistic, degrees of freedom, p-value).
   """
-  from scipy import stats  # a test-time dependency (the `test` extra)
+  try:
+    from scipy import stats  # a test-time dependency (the `test` extra)
+  except ImportError as error:
+    raise ImportError("dspark_jax.testing.law_checks.chi_square needs scipy: pip install "
+                      "'dspark-jax[test]' (or scipy)") from error
 
   counts = np.asarray(counts, np.float64).ravel()
   probs = np.asarray(probs, np.float64).ravel()
