@@ -5,6 +5,7 @@ result) and the obscure ones (an exception from deep inside NumPy or JAX that na
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -300,3 +301,85 @@ def test_plot_acceptance_leaves_matplotlib_backend_alone(tmp_path):
   assert (tmp_path / "a.png").stat().st_size > 0 and path.endswith("a.png")
   assert matplotlib.get_backend() == before
   assert "2.00 [1.50, 2.50]" in evaluation.format_table([row])
+
+
+# ---- files: checkpoints and shipped assets -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+  from tests.test_decoding import make_draft, make_target
+  from dspark_jax.train import checkpoints
+  directory = tmp_path_factory.mktemp("ckpt")
+  target = make_target()
+  checkpoints.save_model(str(directory / "target.safetensors"), target)
+  checkpoints.save_model(str(directory / "draft.safetensors"), make_draft(target, 2, "vanilla"))
+  return directory, target
+
+
+def _rewrite_config(src, dst, edit):
+  """A copy of the checkpoint `src` at `dst` with its metadata passed through `edit`."""
+  from safetensors import safe_open
+  from safetensors.numpy import load_file, save_file
+  with safe_open(str(src), framework="numpy") as f:
+    meta = dict(f.metadata())
+  save_file(load_file(str(src)), str(dst), metadata=edit(meta))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: {k: v for k, v in m.items() if k != "config"}, r"metadata has no 'config'"),
+    (lambda m: dict(m, config="{not json"), r"config: expected a JSON object, got str"),
+    (lambda m: dict(m, config=m["config"].replace('"vocab_size"', '"vocab_sise"')),
+     r"config: unknown field 'vocab_sise'"),
+    (lambda m: dict(m, config=m["config"].replace('"num_layers": 2', '"num_layers": -2')),
+     r"config: num_layers: must be >= 1, got -2"),
+    (lambda m: dict(m, config=m["config"].replace('"num_kv_heads": 2', '"num_kv_heads": 0')),
+     r"config.layer: num_kv_heads: must be >= 1, got 0"),
+])
+def test_bad_checkpoint_metadata_is_named(saved_target, tmp_path, edit, message):
+  from dspark_jax.train import checkpoints
+  directory, _ = saved_target
+  bad = tmp_path / "bad.safetensors"
+  _rewrite_config(directory / "target.safetensors", bad, edit)
+  with pytest.raises(ValueError, match=rf"^{bad}: .*{message}"):
+    checkpoints.load_target(str(bad))
+
+
+def test_truncated_and_wrong_kind_checkpoints_are_named(saved_target, tmp_path):
+  from dspark_jax.train import checkpoints
+  directory, target = saved_target
+  data = (directory / "target.safetensors").read_bytes()
+  for cut in (20, len(data) // 2):
+    bad = tmp_path / f"cut{cut}.safetensors"
+    bad.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=rf"^{bad}: not a readable safetensors file"):
+      checkpoints.load_target(str(bad))
+  with pytest.raises(ValueError, match=r"holds a DSparkDraft, not a TargetModel"):
+    checkpoints.load_target(str(directory / "draft.safetensors"))
+  with pytest.raises(FileNotFoundError, match=r"no such checkpoint file"):
+    checkpoints.load_target(str(tmp_path / "absent.safetensors"))
+
+
+def test_damaged_shipped_assets_are_named(tmp_path):
+  import shutil
+  from dspark_jax.models import shipped
+  copy = tmp_path / "assets"
+  shutil.copytree(shipped.ASSETS, copy)
+  (copy / "manifest.json").write_text("{broken")
+  with pytest.raises(ValueError, match=r"manifest.json: not valid JSON"):
+    shipped.load_shipped(str(copy))
+  (copy / "manifest.json").write_text('{"corpus": {}}')
+  with pytest.raises(ValueError, match=r"manifest.json: expected an object with a 'files' entry"):
+    shipped.load_shipped(str(copy))
+  shutil.copy(os.path.join(shipped.ASSETS, "manifest.json"), copy / "manifest.json")
+  (copy / "tokenizer.json").write_text('{"truncated": ')
+  with pytest.raises(ValueError, match=r"tokenizer.json: not a readable tokenizer"):
+    shipped.load_shipped(str(copy))
+  (copy / "tokenizer.json").unlink()
+  with pytest.raises(ValueError, match=r"tokenizer.json: the shipped tokenizer is missing"):
+    shipped.load_shipped(str(copy))
+  shutil.copy(os.path.join(shipped.ASSETS, "tokenizer.json"), copy / "tokenizer.json")
+  part = copy / "draft.part0.safetensors"
+  part.write_bytes(part.read_bytes()[:1000])
+  with pytest.raises(ValueError, match=r"draft.part0.safetensors: not a readable safetensors"):
+    shipped.load_shipped(str(copy))

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax import validation
 from dspark_jax.draft import heads
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
@@ -62,6 +63,16 @@ class DraftConfig:
   layer: layers.LayerShape | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    validation.check_positive_int("gamma", self.gamma)
+    validation.check_nonnegative_int("num_layers", self.num_layers)
+    validation.check_positive_int("rank", self.rank)
+    validation.check_nonnegative_int("mask_token_id", self.mask_token_id)
+    if self.head_kind not in ("vanilla", "gated", "rnn"):
+      raise ValueError(f"head_kind: expected 'vanilla', 'gated' or 'rnn', got {self.head_kind!r}")
+    if self.layer is not None and not isinstance(self.layer, layers.LayerShape):
+      raise ValueError(f"layer: expected a LayerShape or None, got {type(self.layer).__name__}")
 
   def check_against(self, target: tm.TargetConfig) -> None:
     """Raises ValueError unless this draft can run on `target`."""

@@ -16,10 +16,13 @@ Shapes: B batch, T tokens, S cache slots, N query heads, K key/value heads, D he
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from dspark_jax import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,12 @@ class LayerShape:
   rms_eps: float = 1e-6
 
   def __post_init__(self):
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+      validation.check_positive_int(name, getattr(self, name))
+    for name in ("rope_theta", "rms_eps"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
     if self.head_dim % 2:

@@ -69,6 +69,17 @@ def save_parts(prefix: str, model, *, dtype=jnp.bfloat16, metadata: dict | None 
   return names
 
 
+def _read_json(path: str) -> Any:
+  """The JSON in `path`, or ValueError naming the file."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise ValueError(f"{path}: missing") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise ValueError(f"{path}: not valid JSON ({error})") from None
+
+
 def _read_parts(directory: str, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
   arrays, meta = {}, None
   for name in names:
@@ -110,12 +121,17 @@ def load_shipped(directory: str = ASSETS, *, compute_dtype=None) -> ShippedPair:
   manifest_path = os.path.join(directory, "manifest.json")
   if not os.path.exists(manifest_path):
     raise FileNotFoundError(f"no shipped models: {manifest_path} does not exist")
-  with open(manifest_path) as f:
-    manifest = json.load(f)
+  manifest = _read_json(manifest_path)
+  files = manifest.get("files") if isinstance(manifest, dict) else None
+  if not isinstance(files, dict):
+    raise ValueError(f"{manifest_path}: expected an object with a 'files' entry")
   if compute_dtype is None:
     compute_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-  for name, entry in manifest["files"].items():
-    for part in entry["parts"]:
+  for name in ("target", "draft", "ablation"):
+    parts = files.get(name, {}).get("parts") if isinstance(files.get(name), dict) else None
+    if not isinstance(parts, list) or not parts:
+      raise ValueError(f"{manifest_path}: files.{name}.parts is missing or empty")
+    for part in parts:
       if not os.path.exists(os.path.join(directory, part)):
         raise ValueError(f"manifest: {name} part {part!r} is missing from {directory}")
   arrays, meta = _read_parts(directory, manifest["files"]["target"]["parts"])
@@ -128,8 +144,13 @@ def load_shipped(directory: str = ASSETS, *, compute_dtype=None) -> ShippedPair:
     config = dataclasses.replace(checkpoints.draft_config_from_dict(meta["config"]),
                                  dtype=compute_dtype)
     drafts[name] = checkpoints.draft_from_arrays(config, target_config, arrays)
-  tokenizer = data.load_tokenizer(os.path.join(directory, "tokenizer.json"))
-  with open(os.path.join(directory, "heldout_prompts.json")) as f:
-    prompts = json.load(f)
+  tokenizer_path = os.path.join(directory, "tokenizer.json")
+  if not os.path.exists(tokenizer_path):
+    raise ValueError(f"{tokenizer_path}: the shipped tokenizer is missing")
+  try:
+    tokenizer = data.load_tokenizer(tokenizer_path)
+  except Exception as error:  # the tokenizers library raises its own error for a damaged file
+    raise ValueError(f"{tokenizer_path}: not a readable tokenizer ({error})") from error
+  prompts = _read_json(os.path.join(directory, "heldout_prompts.json"))
   return ShippedPair(tokenizer=tokenizer, target=target, draft=drafts["draft"],
                      ablation=drafts["ablation"], manifest=manifest, prompts=prompts)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax import validation
 from dspark_jax.models import layers
 
 
@@ -44,6 +45,10 @@ class TargetConfig:
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    validation.check_positive_int("vocab_size", self.vocab_size)
+    validation.check_positive_int("num_layers", self.num_layers)
+    if not isinstance(self.layer, layers.LayerShape):
+      raise ValueError(f"layer: expected a LayerShape, got {type(self.layer).__name__}")
     bad = [i for i in self.feature_layers if not -1 <= i < self.num_layers]
     if bad:
       raise ValueError(f"feature_layers: {bad[0]} is not -1 (embeddings) or a layer in "

@@ -47,26 +47,56 @@ def config_to_dict(config) -> dict[str, Any]:
   return out
 
 
-def _common_from_dict(values: dict[str, Any]) -> dict[str, Any]:
+def _build(cls, values: Any, what: str):
+  """``cls(**values)`` with every field checked by name: unknown, missing or of a bad value."""
+  if not isinstance(values, dict):
+    raise ValueError(f"{what}: expected a JSON object, got {type(values).__name__}")
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f"{what}: unknown field {unknown[0]!r} (a {cls.__name__} has {sorted(names)})")
+  try:
+    return cls(**values)
+  except TypeError as error:  # a required field is missing
+    raise ValueError(f"{what}: {error}") from None
+  except ValueError as error:
+    raise ValueError(f"{what}: {error}") from None
+
+
+def _common_from_dict(values: Any, what: str) -> dict[str, Any]:
+  if not isinstance(values, dict):
+    raise ValueError(f"{what}: expected a JSON object, got {type(values).__name__}")
   values = dict(values)
   for name in _DTYPE_FIELDS:
     if name in values:
-      values[name] = jnp.dtype(values[name])
+      try:
+        values[name] = jnp.dtype(values[name])
+      except TypeError:
+        raise ValueError(f"{what}: {name} {values[name]!r} is not a dtype") from None
   if values.get("layer") is not None:
-    values["layer"] = layers.LayerShape(**values["layer"])
+    values["layer"] = _build(layers.LayerShape, values["layer"], f"{what}.layer")
   return values
 
 
-def target_config_from_dict(values: dict[str, Any]) -> tm.TargetConfig:
-  values = _common_from_dict(values)
-  values["feature_layers"] = tuple(values["feature_layers"])
-  return tm.TargetConfig(**values)
+def _ids(values: dict, name: str, what: str) -> None:
+  if name in values:
+    if not isinstance(values[name], (list, tuple)):
+      raise ValueError(f"{what}: {name} must be a list of layer ids, got {values[name]!r}")
+    values[name] = tuple(values[name])
 
 
-def draft_config_from_dict(values: dict[str, Any]) -> dm.DraftConfig:
-  values = _common_from_dict(values)
-  values["target_layer_ids"] = tuple(values["target_layer_ids"])
-  return dm.DraftConfig(**values)
+def target_config_from_dict(values: Any, what: str = "config") -> tm.TargetConfig:
+  """A `TargetConfig` from its JSON dict; ValueError names a bad, unknown or missing field."""
+  values = _common_from_dict(values, what)
+  _ids(values, "feature_layers", what)
+  return _build(tm.TargetConfig, values, what)
+
+
+def draft_config_from_dict(values: Any, what: str = "config") -> dm.DraftConfig:
+  """A `DraftConfig` from its JSON dict; ValueError names a bad, unknown or missing field."""
+  values = _common_from_dict(values, what)
+  _ids(values, "target_layer_ids", what)
+  return _build(dm.DraftConfig, values, what)
 
 
 def _name(path) -> str:
@@ -125,12 +155,26 @@ def save_model(path: str, model: nnx.Module, *, dtype=None, metadata: dict | Non
   save_file(arrays, path, metadata=info)
 
 
+def _open_error(path: str, error: Exception) -> ValueError:
+  return ValueError(f"{path}: not a readable safetensors file ({type(error).__name__}: {error}); "
+                    "truncated or not a checkpoint?")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
-  """The metadata of a file written by `save_model` (JSON values decoded)."""
+  """The metadata of a file written by `save_model` (JSON values decoded).
+
+  Raises:
+    FileNotFoundError: no file at `path`. ValueError: not a readable safetensors file.
+  """
   from safetensors import safe_open
 
-  with safe_open(path, framework="flax") as f:
-    raw = f.metadata() or {}
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such checkpoint file")
+  try:
+    with safe_open(path, framework="flax") as f:
+      raw = f.metadata() or {}
+  except Exception as error:  # safetensors raises its own error type for a damaged header
+    raise _open_error(path, error) from error
   out = {}
   for key, value in raw.items():
     try:
@@ -141,9 +185,25 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 
 def load_arrays(path: str) -> dict[str, jax.Array]:
-  """All tensors of a safetensors file."""
+  """All tensors of a safetensors file (ValueError naming `path` if it cannot be read)."""
   from safetensors.flax import load_file
-  return load_file(path)
+  try:
+    return load_file(path)
+  except FileNotFoundError:
+    raise
+  except Exception as error:  # a truncated file fails here, after its header parsed
+    raise _open_error(path, error) from error
+
+
+def _model_config(path: str, kind: str) -> Any:
+  """The config in the metadata of a `kind` ("TargetModel" / "DSparkDraft") file at `path`."""
+  meta = read_metadata(path)
+  if "config" not in meta:
+    raise ValueError(f"{path}: its metadata has no 'config' (keys: {sorted(meta)}); not a model "
+                     "file written by save_model")
+  if meta.get("kind", kind) != kind:
+    raise ValueError(f"{path}: holds a {meta['kind']}, not a {kind}")
+  return meta["config"]
 
 
 def _with_compute_dtype(config, compute_dtype):
@@ -167,14 +227,15 @@ def draft_from_arrays(config: dm.DraftConfig, target_config: tm.TargetConfig,
 
 def load_target(path: str, *, compute_dtype=None) -> tm.TargetModel:
   """Builds the `TargetModel` saved at `path` (optionally with another compute dtype)."""
-  config = _with_compute_dtype(target_config_from_dict(read_metadata(path)["config"]), compute_dtype)
-  return target_from_arrays(config, load_arrays(path))
+  config = target_config_from_dict(_model_config(path, "TargetModel"), f"{path}: config")
+  return target_from_arrays(_with_compute_dtype(config, compute_dtype), load_arrays(path))
 
 
 def load_draft(path: str, target_config: tm.TargetConfig, *, compute_dtype=None) -> dm.DSparkDraft:
   """Builds the `DSparkDraft` saved at `path` for a target of `target_config`."""
-  config = _with_compute_dtype(draft_config_from_dict(read_metadata(path)["config"]), compute_dtype)
-  return draft_from_arrays(config, target_config, load_arrays(path))
+  config = draft_config_from_dict(_model_config(path, "DSparkDraft"), f"{path}: config")
+  return draft_from_arrays(_with_compute_dtype(config, compute_dtype), target_config,
+                           load_arrays(path))
 
 
 def save_train_state(path: str, params, opt_state, step: int, extra: dict | None = None) -> None:
