@@ -383,3 +383,23 @@ def test_damaged_shipped_assets_are_named(tmp_path):
   part.write_bytes(part.read_bytes()[:1000])
   with pytest.raises(ValueError, match=r"draft.part0.safetensors: not a readable safetensors"):
     shipped.load_shipped(str(copy))
+
+
+# ---- the command line --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["probe", "--max-batch-size", "2", "--vocab", "64", "--gamma", "2", "--headroom-gib", "nan"],
+     "argument --headroom-gib: must be a finite number >= 0, got 'nan'"),
+    (["probe", "--max-batch-size", "2", "--vocab", "64", "--gamma", "2", "--headroom-gib", "inf"],
+     "argument --headroom-gib: must be a finite number >= 0, got 'inf'"),
+    (["eval", "--temperatures", "abc"], "argument --temperatures: expected comma-separated numbers"),
+    (["demo", "--first-prompt", "-1"], "argument --first-prompt: must be >= 0"),
+    (["demo", "--first-prompt", "1000"], "argument --first-prompt: 1000 is past the last"),
+])
+def test_cli_names_the_flag(argv, message, capsys):
+  from dspark_jax.apps import cli
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  text = str(exit_info.value.code) + capsys.readouterr().err
+  assert message in text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
@@ -33,13 +34,38 @@ def _positive(text: str) -> int:
   return value
 
 
+def _nonnegative(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  return value
+
+
+def _finite_nonnegative(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value) or value < 0:
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+  return value
+
+
+def _temperatures(text: str) -> list[float]:
+  try:
+    values = [float(t) for t in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+  bad = [t for t in values if not math.isfinite(t) or t < 0]
+  if bad:
+    raise argparse.ArgumentTypeError(f"temperatures must be finite and >= 0, got {bad[0]}")
+  return values
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command")
 
   demo = sub.add_parser("demo", help="decode held-out prompts with the shipped trained pair")
   demo.add_argument("--prompts", type=_positive, default=3)
-  demo.add_argument("--first-prompt", type=int, default=0)
+  demo.add_argument("--first-prompt", type=_nonnegative, default=0)
   demo.add_argument("--max-new-tokens", type=_positive, default=64)
   demo.add_argument("--temperature", type=float, default=0.0)
   demo.add_argument("--seed", type=int, default=0)
@@ -48,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--prompts", type=_positive, default=None,
                         help="number of held-out prompts (default: all)")
   evaluate.add_argument("--max-new-tokens", type=_positive, default=128)
-  evaluate.add_argument("--temperatures", default="0,1")
+  evaluate.add_argument("--temperatures", type=_temperatures, default=[0.0, 1.0],
+                        help="comma-separated, e.g. 0,1")
   evaluate.add_argument("--seed", type=int, default=0)
   evaluate.add_argument("--out", default="dspark_eval", help="directory for the PNG and JSON")
 
@@ -72,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
   probe.add_argument("--dtype", type=_dtype, default="bfloat16")
   probe.add_argument("--rank", type=_positive, default=256)
   probe.add_argument("--mode", choices=("off", "auto", "force"), default=None)
-  probe.add_argument("--headroom-gib", type=float, default=1.0)
+  probe.add_argument("--headroom-gib", type=_finite_nonnegative, default=1.0)
   probe.add_argument("--backend", choices=("auto", "xla", "triton", "hopper"), default=None,
                      help="draft block backend (default: $DSPARK_JAX_BACKEND, else auto)")
   return parser
@@ -114,7 +141,7 @@ def evaluate(args) -> int:
   from dspark_jax.models import shipped
 
   pair = shipped.load_shipped()
-  temperatures = [float(t) for t in args.temperatures.split(",")]
+  temperatures = args.temperatures
   rows = evaluation.acceptance_study(pair, num_prompts=args.prompts,
                                      max_new_tokens=args.max_new_tokens,
                                      temperatures=temperatures, seed=args.seed)

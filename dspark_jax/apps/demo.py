@@ -40,6 +40,9 @@ def run(args) -> int:
         f"trained on the Python {corpus['python_version']} standard library "
         f"({corpus['train_files']} train files); drafter γ = {pair.draft.config.gamma}")
 
+  if args.first_prompt >= len(pair.prompts):
+    raise SystemExit(f"dspark-jax demo: error: argument --first-prompt: {args.first_prompt} is past "
+                     f"the last of the {len(pair.prompts)} held-out prompts")
   texts = pair.prompts[args.first_prompt:args.first_prompt + args.prompts]
   prompts = [pair.encode(t) for t in texts]
   params = sp.SamplingParams(temperature=np.full(len(prompts), args.temperature),
