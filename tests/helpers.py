@@ -1,5 +1,6 @@
 """Shared builders for the tests: random head arrays of the documented layouts."""
 
+import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax as dj
@@ -90,7 +91,7 @@ def assert_blocks_agree(ref, other, *, what="block"):
   logits_b = None if other[1] is None else np.asarray(other[1], np.float32)
   assert (logits_a is None) == (logits_b is None), f"{what}: one block has no corrected logits"
   dtype = None if ref[1] is None else np.dtype(getattr(ref[1], "dtype", np.float32))
-  ulp = 2.0 ** -(np.finfo(dtype).nmant) if dtype is not None else 0.0
+  ulp = 2.0 ** -(jnp.finfo(dtype).nmant) if dtype is not None else 0.0
   whole_rows = 0
   for row in range(tokens_a.shape[0]):
     for step in range(tokens_a.shape[1]):
