@@ -49,7 +49,6 @@ from dspark_jax.kernels import triton_step as fused_step
 from dspark_jax.sampling import sampler as sampling
 
 ROW_BLOCK = 64  # rows of one WGMMA instruction
-PAD_ROWS = 8  # a smaller batch, in multiples of this, is padded to ROW_BLOCK in shared memory
 _NO_TOKEN = np.int32(np.iinfo(np.int32).max)
 _LOG2_E = float(np.log2(np.e))  # exp(y) = 2^(y · log2(e))
 
@@ -68,15 +67,12 @@ def _swizzled(width: int, itemsize: int, interpret: bool):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grid(v, base_logits, tile, stages, programs, interpret, padded_rows=False):
-  """Checks the shapes both kernels need; returns (tiles, instances, tiles per instance).
-  With `padded_rows` a batch below 64 rows in multiples of 8 is taken too (`sampling_partials`)."""
+def _grid(v, base_logits, tile, stages, programs, interpret):
+  """Checks the shapes both kernels need; returns (tiles, instances, tiles per instance)."""
   rows = v.shape[0]
   batch, _, vocab = base_logits.shape
-  padded = padded_rows and rows < ROW_BLOCK and rows % PAD_ROWS == 0
-  if rows != batch or (rows % ROW_BLOCK and not padded):
-    also = f", or of {PAD_ROWS} below it" if padded_rows else ""
-    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}{also}, "
+  if rows != batch or rows % ROW_BLOCK:
+    raise ValueError(f"v: expected [{batch}, r] with the batch a multiple of {ROW_BLOCK}, "
                      f"got {v.shape}")
   if vocab % tile:
     raise ValueError(f"tile: {tile} does not divide V = {vocab}")
@@ -118,7 +114,7 @@ def _corrected_tile(acc_ref, v_smem, w2_tile, u_tile, dtype, interpret):
 
 def _row_max(x, interpret, axis=1):
   """Per row of float32 [B, tile] registers: the max, NaN if any is (``max.NaN.f32``). With
-  ``axis=0`` the registers are [tile, B] (`hopper_block`'s transposed product)."""
+  ``axis=0`` the registers are [tile, B]."""
   best = jnp.max(x, axis=axis)
   if interpret:  # the interpreter's max is XLA's on the CPU, which skips NaN: the GPU's does not
     best = jnp.where(jnp.any(jnp.isnan(x), axis=axis), jnp.nan, best)
@@ -362,9 +358,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   if tile < PART:
     raise ValueError(f"base_logits: V = {vocab} has {tile}-column tiles; the kernel needs >= {PART}")
   itemsize = jnp.dtype(w2.dtype).itemsize
-  tiles, programs, per_program = _grid(v, base_logits, tile, 1, programs, interpret,
-                                       padded_rows=False)
-  rows = max(batch, ROW_BLOCK)  # the rows the kernel computes (a smaller batch: padded)
+  tiles, programs, per_program = _grid(v, base_logits, tile, 1, programs, interpret)
+  rows = batch
   if stages is None:
     stages = max(sampling_stages(rows, rank, per_program, itemsize), 1)
   if stages < 1:
@@ -409,11 +404,8 @@ def sampling_partials(v, w2, base_logits, corrected, temperature, greedy, *, ste
   run = pl.kernel(body, out_type=out_type,
                   mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",), **threads),
                   **({"interpret": _interpret_params()} if interpret else {}))
-  # A copy moves a multiple of 128 bytes: a smaller batch's [B] row inputs are padded to 64 rows
-  # (XLA computes the pad once for a block's steps).
-  pad = lambda x, dtype: jnp.pad(x.astype(dtype), (0, rows - batch), constant_values=1)
-  keys, tokens = run(corrected, v.astype(w2.dtype), w2, base_logits, pad(temperature, jnp.float32),
-                     pad(greedy, jnp.int32))
+  keys, tokens = run(corrected, v.astype(w2.dtype), w2, base_logits,
+                     temperature.astype(jnp.float32), greedy.astype(jnp.int32))
   return keys.reshape(-1, rows), tokens.reshape(-1, rows) if argmax else None
 
 
@@ -596,7 +588,7 @@ def _one_consumer(*, batch, rows, tile, parts, tiles, programs, per_program, sta
       return _tile_pair(pairs, lambda: xs, tile_of(i) * tile, temp, greedy_rows)
 
     plgpu.copy_gmem_to_smem(v_gmem, filled(v_smem.at[0]), v_barrier.at[0])
-    plgpu.copy_gmem_to_smem(temp_gmem, temp_smem.at[0], v_barrier.at[0])  # padded to `rows`
+    plgpu.copy_gmem_to_smem(temp_gmem, temp_smem.at[0], v_barrier.at[0])
     plgpu.copy_gmem_to_smem(greedy_gmem, greedy_smem.at[0], v_barrier.at[0])
     for n in range(min(stages - 1, per_program * parts)):
       fetch(n)
