@@ -156,6 +156,12 @@ def test_sampler_sizes_are_named(head, kwargs, name):
     dj.build_draft_sampler(head, **args)
 
 
+@pytest.mark.parametrize("size", [-1, 0, 2.5])
+def test_sampling_params_batch_size_is_named(size):
+  with pytest.raises(ValueError, match=r"^SamplingParams.batch_size: "):
+    dj.SamplingParams(temperature=0.5, batch_size=size)
+
+
 def test_stream_must_be_a_stream(head):
   with pytest.raises(ValueError, match=r"^stream: expected a Stream"):
     dj.sample_step(jnp.zeros((2, V)), dj.SamplingParams(temperature=[1.0, 1.0]),

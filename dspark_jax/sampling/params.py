@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import validation
+
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy; draft temperatures are clamped to at least this."""
 
@@ -128,7 +130,8 @@ class SamplingParams:
       if ndim == 1:
         lengths[name] = np.shape(value)[0]
     if batch_size is not None:
-      lengths["batch_size"] = int(batch_size)
+      lengths["batch_size"] = validation.check_positive_int("SamplingParams.batch_size",
+                                                           batch_size)
     if len(set(lengths.values())) > 1:
       raise ValueError(f"SamplingParams: fields have different batch sizes {lengths}")
     if not lengths:
