@@ -221,6 +221,7 @@ print("x64 ok", step.dtype, block.tokens.dtype, int(result.num_committed.sum()))
 """
 
 
+@pytest.mark.slow
 def test_core_paths_run_under_x64():
   # With jax_enable_x64 (common in distribution work) every public path runs: sampling, the folded
   # and eager block, verification, speculative and plain generate. Was: generate failed with

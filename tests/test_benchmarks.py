@@ -28,6 +28,7 @@ def run_and_read_table(module, title, argv, path, capsys) -> dict:
     (bench_sampler, "bench_sampler ("),
     (bench_compact, "bench_compact ("),
 ])
+@pytest.mark.slow
 def test_block_benchmark_prints_its_table(module, title, tmp_path, capsys):
   saved = run_and_read_table(module, title, FAST, tmp_path / "results.json", capsys)
   assert all(r["ok"] and r["check"]["mode"] == "exact" for r in saved["results"])

@@ -37,6 +37,7 @@ def test_probe_rejects_bad_arguments(capsys):
     cli.main(["probe", "--max-batch-size", "2", "--vocab", "10", "--gamma", "2", "--dtype", "int8"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_sampler_demo_runs_and_paths_agree(capsys, head):
   assert cli.main(["sampler-demo", "--batch-size", "4", "--vocab", "512", "--gamma", "3", "--rank", "16",

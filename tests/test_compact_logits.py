@@ -81,6 +81,7 @@ def _same_prefix(tokens_a, tokens_b):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path", PATHS,
                          ids=["loop", "unrolled", "triton-draws", "triton-chosen-tile", "eager"])
+@pytest.mark.slow
 def test_compact_block_keeps_the_tokens_and_recomputes_its_rows(kind, path):
   # Against the same block with stored logits (another program): the tokens, and every recomputed
   # row against the stored row, agree as far as floats allow (`helpers.assert_blocks_agree`: rows
@@ -114,6 +115,7 @@ def test_compact_block_keeps_the_tokens_and_recomputes_its_rows(kind, path):
     LOOP, pytest.param(TILE_DRAWS, marks=pytest.mark.kernel),
     pytest.param(CHOSEN_TILE, marks=pytest.mark.kernel)],
     ids=["loop", "triton-draws", "triton-chosen-tile"])
+@pytest.mark.slow
 def test_compact_edge_rows_on_the_kernel_and_the_loop(path):
   # All -inf rows, a NaN, an exact tie across the first and last tile (V = 2064: 129 tiles of 16):
   # the compact block's tokens and rows are the stored block's, and verification decides alike.
@@ -157,6 +159,7 @@ def test_compact_edge_rows_on_the_kernel_and_the_loop(path):
 
 @pytest.mark.parametrize("path", [LOOP, pytest.param(("triton", None), marks=pytest.mark.kernel)],
                          ids=["loop", "triton"])
+@pytest.mark.slow
 def test_compact_verification_decides_as_with_stored_logits(path):
   # 64 rows (on the kernel path: the draws in the chosen tiles, `triton_step.chosen_tile_draws`,
   # from this size on), a quarter greedy, some top-k, verify lengths and a stop token; the target leans

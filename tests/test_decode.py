@@ -23,6 +23,7 @@ def _padded(prompts, width=8):
   return out, np.array([len(p) for p in prompts], np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [True, False])
 def test_decode_under_jit_equals_generate(pair, spec):
   target, draft = pair
@@ -46,6 +47,7 @@ def test_decode_under_jit_equals_generate(pair, spec):
     np.testing.assert_array_equal(np.asarray(got.row_rounds), want.row_rounds)
 
 
+@pytest.mark.slow
 def test_decode_vmaps_over_keys_and_seeds(pair):
   target, draft = pair
   prompt, lens = _padded(PROMPTS)
@@ -67,6 +69,7 @@ def test_decode_vmaps_over_keys_and_seeds(pair):
   assert by_seed.tokens.shape == (3, 4, 5)
 
 
+@pytest.mark.slow
 def test_decode_greedy_only_variant(pair):
   target, draft = pair
   prompt, lens = _padded(PROMPTS)

@@ -51,6 +51,7 @@ def target():
   return make_target()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma,kind", list(itertools.product([1, 4, 7], ["vanilla", "gated", "rnn"])))
 def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
   draft = make_draft(target, gamma, kind)
@@ -67,6 +68,7 @@ def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
   assert spec.acceptance.shape == (gamma,)
 
 
+@pytest.mark.slow
 def test_rounds_mix_rejections_and_acceptance_and_rows_do_not_interact(target):
   # The copy-biased draft is accepted sometimes and rejected sometimes (so stale KV entries of
   # rejected positions exist and must be ignored); each row equals the same prompt decoded alone.
@@ -81,6 +83,7 @@ def test_rounds_mix_rejections_and_acceptance_and_rows_do_not_interact(target):
     np.testing.assert_array_equal(alone.tokens[0], together.tokens[i])
 
 
+@pytest.mark.slow
 def test_stale_cache_entries_are_never_read(target):
   # Fill the KV cache with garbage, then run a prompt: logits equal a fresh cache's. (Compiled, as
   # `generate` runs it: one program per shape instead of one per operation.)
@@ -99,6 +102,7 @@ def test_stale_cache_entries_are_never_read(target):
   np.testing.assert_allclose(jnp.concatenate([first, rest], 1), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stop_tokens_end_rows_like_the_baseline(target):
   draft = make_draft(target, 4, "gated")
   params = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
@@ -158,6 +162,7 @@ def test_speculative_sampling_law_equals_the_target_law():
   assert 0.05 < result.acceptance[0] < 0.95
 
 
+@pytest.mark.slow
 def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
   # Where the Hopper kernels run, `generate` prepares the head's arrays once, outside the rounds'
   # loop (`pallas_block.head_arrays_for` with the decode's choice: W2 part by part as well, which
@@ -184,6 +189,7 @@ def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
   np.testing.assert_array_equal(plain.tokens, posed.tokens)
 
 
+@pytest.mark.slow
 def test_generate_records_the_backend(target, monkeypatch):
   # `GenerateResult.backend`: the choice that drafted a folded path's blocks, with its reason (None
   # for the eager path and the baseline: test_greedy_speculative_equals_greedy_autoregressive,
@@ -247,6 +253,7 @@ def test_hopper_backend_decodes_the_targets_greedy_tokens():
     assert np.all((result.tokens >= 0) & (result.tokens < vocab)) and np.all(result.lengths == 5)
 
 
+@pytest.mark.slow
 def test_eager_fallback_equals_folded_sampling(target):
   draft = make_draft(target, 4, "rnn")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3, 0.0], seed=[4, 8, 15, 16, 23])
@@ -259,6 +266,7 @@ def test_eager_fallback_equals_folded_sampling(target):
   np.testing.assert_array_equal(folded.tokens, eager.tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["force", "off"])
 def test_compact_draft_logits_decode_the_same_tokens(target, mode):
   # store_logits=False keeps each token's log q and recomputes the rejected row instead of storing
@@ -273,6 +281,7 @@ def test_compact_draft_logits_decode_the_same_tokens(target, mode):
   assert runs[1].rounds > 3 and 0 < runs[1].acceptance[0] < 1
 
 
+@pytest.mark.slow
 def test_calls_in_the_same_buckets_never_recompile(target):
   draft = make_draft(target, 4, "vanilla")
   params = dj.SamplingParams(temperature=[0.0, 1.0, 0.5], seed=[1, 2, 3])

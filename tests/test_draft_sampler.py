@@ -76,6 +76,7 @@ def test_every_path_gives_the_same_block():
   np.testing.assert_array_equal(folded.greedy_mask, np.arange(6) % 2 == 0)
 
 
+@pytest.mark.slow
 def test_padding_never_changes_a_row():
   sampler = _build(mode="force", max_batch_size=16)
   inputs = _batch(16)
@@ -93,6 +94,7 @@ def test_padding_never_changes_a_row():
     helpers.assert_same_block(part, head, fields=("tokens", "corrected_logits"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.kernel)])
 def test_steady_state_never_recompiles(backend):
   # Counted two ways: the sampler's own program count, and XLA backend compilations seen by
@@ -277,6 +279,7 @@ def test_backends_record_the_choice_and_its_reason(monkeypatch):
     _build(mode="force")
 
 
+@pytest.mark.slow
 @pytest.mark.kernel
 def test_head_arrays_prepared_once_where_a_bucket_runs_the_hopper_kernels(monkeypatch):
   # Where any bucket runs the Hopper kernels the sampler compiles and calls all its programs with

@@ -204,6 +204,7 @@ def test_hopper_greedy_block_agrees_with_xla(kind, prepared):
 @pytest.mark.parametrize("kind,batch,prepared,serpentine", [
     ("vanilla", 64, False, False), ("gated", 64, True, True), ("vanilla", 128, True, True),
     ("gated", 128, False, False)])
+@pytest.mark.slow
 def test_hopper_sampling_block_agrees_with_xla(kind, batch, prepared, serpentine):
   # Sampling-variant blocks on the Hopper backend: B = 64 and 128 (one warpgroup), V = 1280
   # (ten 128-column tiles of two 64-column parts over 4 instances), γ = 2, bf16 head and logits,

@@ -228,6 +228,7 @@ def _folded(head_params, conf_params, base, rows, hidden, key, kind, greedy_only
     pytest.param("triton", None, marks=pytest.mark.kernel),
     pytest.param("triton", CHOICE, marks=pytest.mark.kernel),
 ], ids=["unrolled", "triton", "triton-choice"])
+@pytest.mark.slow
 def test_every_folded_form_agrees_with_the_loop(kind, backend, config):
   # Each form against the XLA loop, as far as floats allow (`helpers.assert_blocks_agree`): the
   # forms are other programs (the kernel runs in Pallas' interpreter on the CPU; on a GPU it sums
@@ -256,6 +257,7 @@ def test_every_folded_form_agrees_with_the_loop(kind, backend, config):
     ("gated", 0.6, TILE_DRAWS),      # every tile draws in the kernel; v from XLA
     ("vanilla", 0.8, TILE_DRAWS),    # ... with W1 gathered in the kernel
 ], ids=["vanilla-choice", "gated-tile-draws", "vanilla-tile-draws"])
+@pytest.mark.slow
 def test_pallas_form_block_law(kind, temperature, config):
   # The kernel form's own law (on a GPU its arithmetic differs from XLA's; on the CPU it runs in the
   # interpreter). N = 60,000 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so

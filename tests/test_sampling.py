@@ -20,6 +20,7 @@ def _mixed_pattern(vocab, rng):
 
 @pytest.mark.parametrize("vocab,copies", [(7, 40_000), (100, 40_000), (1000, 30_000),
                                           (384, 30_000)])
+@pytest.mark.slow
 def test_sample_step_matches_softmax_in_mixed_batch(vocab, copies):
   # N = `copies` samples per pattern row (independent seeds). Statistic: Pearson chi-square of the
   # token counts against softmax(L / T) (bins with expected count < 5 pooled). Threshold p >= 1e-3.
@@ -214,6 +215,7 @@ def test_tile_stats_match_float64(vocab):
   np.testing.assert_array_equal(tile_arg[0], np.argmax(x[0], -1) + np.arange(x.shape[1]) * tile)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [256, 384])
 def test_tile_draws_give_the_tokens_of_tile_stats(vocab):
   # `fused_step` draws a token in every tile and reduces (score, draw) pairs; that must pick the

@@ -76,6 +76,7 @@ def test_split_is_deterministic_and_disjoint():
   assert 0.02 < len(held) / len(files) < 0.09
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(capsys):
   assert cli.main(["demo", "--prompts", "2", "--max-new-tokens", "12"]) == 0
   out = capsys.readouterr().out

@@ -71,6 +71,7 @@ def check_decode(pair, *, temperature, top_k=0, top_p=1.0, wrong_law, stop_token
   return trace, greedy
 
 
+@pytest.mark.slow
 def test_identical_laws_accept_every_draft():
   # p = q: every sampled draft must be accepted (u·q < p holds for u < 1), and the law is the target's.
   table = toy_markov.random_pair(VOCAB, 3, seed=1).target_table
@@ -81,6 +82,7 @@ def test_identical_laws_accept_every_draft():
   assert np.mean(first_round == 3) > 0.9999
 
 
+@pytest.mark.slow
 @compact
 def test_disjoint_supports_reject_every_draft(store_logits):
   # The draft only proposes tokens {0, 1, 2}; the target only emits {3, 4, 5}: every draft token is
@@ -97,6 +99,7 @@ def test_disjoint_supports_reject_every_draft(store_logits):
   assert np.all(trace.accept_lens[trace.active & ~greedy[None]] == 0)
 
 
+@pytest.mark.slow
 @compact
 def test_draft_with_zero_mass_where_target_has_mass(store_logits):
   # q(x) = 0 for x in {4, 5} while p(x) > 0: those tokens can only come from the residual.
@@ -162,6 +165,7 @@ def test_verify_length_caps(store_logits):
   assert np.all(trace.accept_lens <= trace.verify_lens - 1)
 
 
+@pytest.mark.slow
 def test_stop_tokens_end_the_sequence():
   pair = toy_markov.random_pair(VOCAB, 3, seed=9)
   wrong = law_checks.chain_law(pair.target_table, START, LENGTH, temperature=1.0)  # no stop
