@@ -29,6 +29,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.kernels import hopper_step
 from dspark_jax.sampling import sampler as sampling
 
 ENV_VAR = "DSPARK_JAX_BACKEND"
@@ -189,15 +190,6 @@ def _is_float(name: str) -> bool:
   return jnp.issubdtype(jnp.dtype(name), jnp.floating)
 
 
-def hopper_sampling_smem(batch: int, rank: int, stages: int, tiles_per_instance: int,
-                         itemsize: int = 2) -> int:
-  """Shared memory of the Hopper sampling kernel (`hopper_step.sampling_smem_bytes`)."""
-  buffers = [batch * rank * itemsize, stages * rank * HOPPER_PART * itemsize,
-             stages * batch * HOPPER_PART * itemsize, batch * 4, batch * 4,
-             tiles_per_instance * batch * 4, tiles_per_instance * batch * 4]
-  return sum(-(-b // 1024) * 1024 for b in buffers) + 1024
-
-
 def hopper_greedy_smem(batch: int, rank: int, stages: int = 2, tile: int = 64,
                        itemsize: int = 2) -> int:
   """Shared memory of the Hopper greedy kernel: v, the stages' W2 and U_k tiles, the pairs."""
@@ -233,7 +225,7 @@ HOPPER_PRECONDITIONS: tuple[Precondition, ...] = (
      lambda p: p.greedy_only or sampling.vocab_tile(p.vocab) == 2 * HOPPER_PART),
     ("the kernel's buffers fit shared memory with two pipeline stages",
      lambda p: (hopper_greedy_smem(p.batch, p.rank) if p.greedy_only
-                else hopper_sampling_smem(p.batch, p.rank, 2, _tiles_per_instance(p)))
+                else hopper_step.sampling_smem_bytes(p.batch, p.rank, 2, _tiles_per_instance(p)))
      <= HOPPER_SMEM_BYTES),
 )
 
