@@ -395,6 +395,25 @@ def test_damaged_shipped_assets_are_named(tmp_path):
 # ---- the command line --------------------------------------------------------------------------------
 
 
+def test_probe_decides_from_shapes_alone():
+  # Was: probe --vocab 10000000 allocated real zero weights (5 GB at r = 256) to decide from shapes.
+  # Now its head is abstract: the process stays far below the weights' size (here r = 256, bf16:
+  # W1 and W2 would take 10.2 GB).
+  import subprocess
+  import sys
+  script = ("import resource, sys; from dspark_jax.apps import cli; "
+            "code = cli.main(['probe', '--max-batch-size', '2', '--vocab', '10000000', '--gamma', "
+            "'2', '--mode', 'off']); "
+            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "greedy   B=2" in run.stdout
+  maxrss_gb = int(run.stdout.split("maxrss_kb")[1].split()[0]) / 2**20
+  assert maxrss_gb < 2.0, f"probe used {maxrss_gb:.1f} GB"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["probe", "--max-batch-size", "2", "--vocab", "64", "--gamma", "2", "--headroom-gib", "nan"],
      "argument --headroom-gib: must be a finite number >= 0, got 'nan'"),

@@ -105,18 +105,29 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+class _ShapeHead:
+  """What a draft sampler reads of a vanilla head, as shapes: `probe` compiles from these alone."""
+
+  kind, needs_hidden, hidden_size = "vanilla", False, None
+
+  def __init__(self, vocab: int, rank: int, dtype):
+    import jax
+    self.vocab_size, self.rank = vocab, rank
+    self._arrays = {"w1": jax.ShapeDtypeStruct((vocab, rank), dtype),
+                    "w2": jax.ShapeDtypeStruct((rank, vocab), dtype)}
+
+  def arrays(self) -> dict:
+    return dict(self._arrays)
+
+
 def probe(args) -> int:
   import jax
-  import jax.numpy as jnp
 
-  from dspark_jax.draft import heads
   from dspark_jax.draft import proposer as draft_sampler
   from dspark_jax.kernels import dispatch
 
-  # The gate only needs shapes; zero weights cost nothing to make.
-  head = heads.markov_head_from_arrays("vanilla", {
-      "w1": jnp.zeros((args.vocab, args.rank), args.dtype),
-      "w2": jnp.zeros((args.rank, args.vocab), args.dtype)})
+  # The gate and the dispatch read shapes only: an abstract head, no weights allocated.
+  head = _ShapeHead(args.vocab, args.rank, args.dtype)
   sampler = draft_sampler.build_draft_sampler(
       head, max_batch_size=args.max_batch_size, vocab_size=args.vocab, gamma=args.gamma,
       logits_dtype=args.dtype, mode=args.mode, headroom_bytes=int(args.headroom_gib * 2**30),

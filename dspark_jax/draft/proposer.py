@@ -134,11 +134,11 @@ class DraftSampler:
         out[("sampling", bucket)] = self.choice(False, bucket)
     return out
 
-  def _head_arrays(self) -> dict:
-    """The head's arrays as the programs take them: with W2 part by part
+  def _head_arrays(self, arrays=None) -> dict:
+    """The head's arrays (or `arrays`) as the programs take them: with W2 part by part
     (`pallas_block.prepare_head_arrays`) where a bucket runs the Hopper kernels."""
     choices = [self.choice(g, b) for b in self.buckets for g in (True, False)]
-    return pallas_block.head_arrays_for(self.head.arrays(), choices)
+    return pallas_block.head_arrays_for(self.head.arrays() if arrays is None else arrays, choices)
 
   def _abstract_inputs(self, bucket: int, hidden_dtype=None):
     def spec(shape, dtype):
@@ -147,7 +147,9 @@ class DraftSampler:
     if self.uses_hidden:
       hidden = spec((bucket, self.gamma, self.hidden_size), hidden_dtype or self.logits_dtype)
     return (
-        jax.tree.map(lambda a: spec(a.shape, a.dtype), jax.eval_shape(self._head_arrays)),
+        # Shapes only: the head's arrays may be abstract (`dspark-jax probe`).
+        jax.tree.map(lambda a: spec(a.shape, a.dtype),
+                     jax.eval_shape(self._head_arrays, self.head.arrays())),
         None if self.confidence_head is None
         else jax.tree.map(lambda a: spec(a.shape, a.dtype), self.confidence_head.arrays()),
         spec((bucket, self.gamma, self.vocab_size), self.logits_dtype),
