@@ -111,11 +111,13 @@ def bucket(n: int, minimum: int = 1) -> int:
 # ---- the pieces of a round (pure; called inside the compiled programs) -------------------------------
 
 
-def _row_arrays(params: sp.SamplingParams) -> dict[str, Any]:
-  return {"greedy": np.asarray(params.greedy_mask, bool),
-          "temperature": np.asarray(params.draft_temperature, np.float32),
-          "top_k": np.asarray(params.top_k, np.int32), "top_p": np.asarray(params.top_p, np.float32),
-          "seeds": np.asarray(params.seed, np.uint32)}
+def _row_arrays(params: sp.SamplingParams, xp=np) -> dict[str, Any]:
+  """The per-row arrays the loop reads: NumPy for host values (`generate`), jax.numpy for values
+  that may be traced (`decode`)."""
+  return {"greedy": xp.asarray(params.greedy_mask, bool),
+          "temperature": xp.asarray(params.draft_temperature, xp.float32),
+          "top_k": xp.asarray(params.top_k, xp.int32), "top_p": xp.asarray(params.top_p, xp.float32),
+          "seeds": xp.asarray(params.seed, xp.uint32)}
 
 
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len):
@@ -329,11 +331,7 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
              else jnp.minimum(jnp.asarray(budgets, jnp.int32), max_new_tokens))
   stop_ids = (jnp.full((batch, 0), -1, jnp.int32) if stop_token_ids is None
               else jnp.asarray(stop_token_ids, jnp.int32))
-  rows = {"greedy": jnp.asarray(params.greedy_mask, bool),
-          "temperature": jnp.asarray(params.draft_temperature, jnp.float32),
-          "top_k": jnp.asarray(params.top_k, jnp.int32),
-          "top_p": jnp.asarray(params.top_p, jnp.float32),
-          "seeds": jnp.asarray(params.seed, jnp.uint32)}
+  rows = _row_arrays(params, jnp)
   path, choice = PATH_AUTOREGRESSIVE, None
   if spec:
     path = proposal.PATH_FOLDED_GREEDY if greedy_only else proposal.PATH_FOLDED_SAMPLING
