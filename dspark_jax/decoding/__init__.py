@@ -1,0 +1,41 @@
+"""Speculative decoding with a DSpark draft, and the autoregressive baseline, as compiled loops.
+
+This package owns `generate` (prompts in, tokens and decoding statistics out) and `decode` (the same
+loop as a pure function of arrays). One module per job:
+
+* `rounds`: the pure pieces of one iteration (prefill, autoregressive step, speculative round:
+  draft forward, folded block, verify, commit, context update, counts).
+* `loop`: the whole decode as one program (`lax.while_loop`), `decode`, `DecodeOutput`, and the
+  eager fallback that drives the same round from Python.
+* `host`: `generate`, `GenerateResult`, input checks, padding buckets, routing and the compile
+  cache.
+
+* **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
+  target once; the first new token is sampled from the target at each row's last prompt position
+  (`target_law`, stream `Stream.TARGET`), and the draft's context cache is filled from the prompt's
+  target features.
+* **Rounds** (`spec=True`), all inside one `lax.while_loop`: the draft forward gives base logits
+  and hidden states; the folded block sampler (`proposal.folded_block`) drafts γ tokens; the target runs
+  ``[anchor, x_1..x_γ]`` at positions ``anchor_pos..anchor_pos+γ``; `verification.verify_arrays`
+  accepts a prefix and a bonus; the committed tokens are appended (up to ``max_new_tokens``); the
+  target features of those positions extend the draft's context. Finished rows stop committing and
+  stop advancing.
+* **Baseline** (`spec=False`): plain autoregressive decoding with the same target, sampler, buckets
+  and stop rules, one token per loop iteration.
+
+Randomness: every draw is a function of (key, seed, absolute position, stream).
+"""
+
+from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, _after_proposal,
+                                        _autoregressive_step, _draft_forward, _draft_inputs,
+                                        _finish, _finish_jit, _prefill, _row_arrays,
+                                        _speculative_round)
+from dspark_jax.decoding.loop import (DecodeOutput, _decode_program, _eager_draft, _eager_prefill,
+                                      _eager_verify, _run_eager, decode)
+from dspark_jax.decoding.host import (_COMPILED, MIN_BUCKET, GenerateResult, _check_budgets,
+                                      _choose_path, _prepare_prompts, bucket, check_pair,
+                                      compiled_programs, generate)
+from dspark_jax.decoding import host, loop, rounds
+
+__all__ = ["DecodeOutput", "GenerateResult", "MIN_BUCKET", "PATH_AUTOREGRESSIVE", "bucket",
+           "check_pair", "compiled_programs", "decode", "generate"]

@@ -1,0 +1,187 @@
+"""The compiled decoding loop: the program `generate` compiles, `decode`, and the eager fallback.
+
+This module owns the whole decode as one program (`_decode_program`: prefill, then a
+`lax.while_loop` of speculative rounds or autoregressive steps from `rounds`), its unwrapped pure
+form `decode` (arrays in, a `DecodeOutput` pytree out, for the user's own ``jit``/``vmap``), and the
+eager fallback `_run_eager`, which drives the same round from Python (one host sync per round, the
+block sampled step by step by `proposal.eager_block`) when the memory gate disables folded sampling.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+from dspark_jax import validation
+from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, _after_proposal,
+                                        _autoregressive_step, _draft_forward, _draft_inputs,
+                                        _finish, _finish_jit, _prefill, _row_arrays,
+                                        _speculative_round)
+from dspark_jax.draft import block as proposal
+from dspark_jax.kernels import pallas_block
+from dspark_jax.models import draft as dm
+from dspark_jax.models import target as tm
+from dspark_jax.sampling import params as sp
+
+
+def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
+                    target_def, draft_def, path, cache_len, out_len, store_logits=True,
+                    backend=None):
+  """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
+  target = nnx.merge(target_def, target_state)
+  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  state = _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len,
+                   out_len)
+  if path == PATH_AUTOREGRESSIVE:
+    step = functools.partial(_autoregressive_step, target)
+  else:
+    # Where the Hopper kernels run they read W2 part by part: prepared once here, outside the loop.
+    head = pallas_block.head_arrays_for(draft.head.arrays(), [backend])
+    step = functools.partial(_speculative_round, target, draft,
+                             greedy_only=path == proposal.PATH_FOLDED_GREEDY,
+                             store_logits=store_logits, head=head, backend=backend)
+  limit = out_len  # every iteration commits at least one token per active row
+  # The carry keeps its dtypes (under x64 some sums and index arithmetic would widen them).
+  body = lambda s: jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                step(s, max_new, rows, stop_ids, key), s)
+  state = jax.lax.while_loop(lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit), body, state)
+  return _finish(state, out_len)
+
+
+
+@struct.dataclass
+class DecodeOutput:
+  """What `decode` returns: arrays only (a pytree), so it passes through ``jit`` and ``vmap``.
+
+  Attributes:
+    tokens: [B, max_new_tokens] int32 generated tokens, -1 after each row's end.
+    lengths: [B] int32 generated tokens per row. finished: [B] bool, ended on a stop token.
+    rounds: int32 loop iterations after the prefill.
+    reached, accepted: [γ] int32 counts: (row, round) pairs that reached draft k, and of those,
+      how many accepted it (zeros for the autoregressive loop, whose γ is 0).
+    row_rounds, row_accepted: [B] int32 rounds each row was active and drafts it accepted.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+  rounds: jax.Array
+  reached: jax.Array
+  accepted: jax.Array
+  row_rounds: jax.Array
+  row_accepted: jax.Array
+
+
+def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Array,
+           prompt_lens: jax.Array, params: sp.SamplingParams, key: jax.Array, *,
+           max_new_tokens: int, budgets: jax.Array | None = None,
+           stop_token_ids: jax.Array | None = None, spec: bool = True, greedy_only: bool = False,
+           store_logits: bool = True, backend=None, config=None) -> DecodeOutput:
+  """The whole decode as a pure function of arrays: the program `generate` compiles, unwrapped.
+
+  Call it under your own ``jax.jit`` (the models may be closed over or passed through
+  ``nnx.split``/``nnx.merge``), ``jax.vmap`` it over keys or seeds, or call it from a training step.
+  It does no host work: no padding, no memory gate, no checks of values (shapes are checked when
+  traced; `generate` is the convenient, checked wrapper).
+
+  Args:
+    target, draft: the models (`draft` may be None when ``spec=False``).
+    prompt: [B, T] int token ids, right-padded (any padding ids in [0, V)).
+    prompt_lens: [B] int lengths in 1..T.
+    params: `SamplingParams` with B rows (concrete or traced values).
+    key: base PRNG key.
+    max_new_tokens: static, the output width: at most this many tokens per row.
+    budgets: optional [B] int per-row budgets in 0..max_new_tokens (default: max_new_tokens).
+    stop_token_ids: optional [B, S] int stop ids per row, -1 padded (default: none).
+    spec: static: speculative decoding with `draft` (True) or the autoregressive loop.
+    greedy_only: static: the folded greedy-only variant; every row must then be greedy (values are
+      not checked here). Otherwise the folded sampling variant, for any mix of rows.
+    store_logits: static: the sampling variant stores its corrected logits (False: `CompactLogits`).
+    backend, config: static: the draft block's backend (`dspark_jax.kernels.dispatch`).
+
+  Static, so a change compiles a new program: `max_new_tokens`, `spec`, `greedy_only`,
+  `store_logits`, `backend`, `config`, and every shape (B, T, S). Everything else may be traced.
+
+  Returns:
+    A `DecodeOutput`.
+  """
+  batch, prompt_len = np.shape(prompt)
+  max_new_tokens = validation.check_nonnegative_int("max_new_tokens", max_new_tokens)
+  if spec and draft is None:
+    raise ValueError("draft: required for speculative decoding (pass spec=False for the loop)")
+  gamma = draft.config.gamma if spec else 0
+  out_len = max_new_tokens + gamma + 1
+  cache_len = prompt_len + out_len + gamma + 1
+  budgets = (jnp.full((batch,), max_new_tokens, jnp.int32) if budgets is None
+             else jnp.minimum(jnp.asarray(budgets, jnp.int32), max_new_tokens))
+  stop_ids = (jnp.full((batch, 0), -1, jnp.int32) if stop_token_ids is None
+              else jnp.asarray(stop_token_ids, jnp.int32))
+  rows = _row_arrays(params, jnp)
+  path, choice = PATH_AUTOREGRESSIVE, None
+  if spec:
+    path = proposal.PATH_FOLDED_GREEDY if greedy_only else proposal.PATH_FOLDED_SAMPLING
+    choice = proposal.choose_backend(
+        draft.head.arrays(), jax.ShapeDtypeStruct((batch, gamma, target.config.vocab_size),
+                                                  draft.config.dtype),
+        kind=draft.head.kind, greedy_only=greedy_only, store_logits=store_logits,
+        confidence=draft.confidence is not None, backend=backend, config=config)
+  target_def, target_state = nnx.split(target)
+  draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
+  state = _decode_program(target_state, draft_state, jnp.asarray(prompt, jnp.int32),
+                          jnp.asarray(prompt_lens, jnp.int32), budgets, rows, stop_ids, key,
+                          target_def=target_def, draft_def=draft_def, path=path,
+                          cache_len=cache_len, out_len=out_len, store_logits=store_logits,
+                          backend=choice)
+  zeros_g, zeros_b = jnp.zeros((gamma,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+  return DecodeOutput(
+      tokens=state["out"][:, :max_new_tokens], lengths=state["count"].astype(jnp.int32),
+      finished=state["finished"], rounds=state["rounds"],
+      reached=state.get("reached", zeros_g), accepted=state.get("accepted", zeros_g),
+      row_rounds=state.get("row_rounds", zeros_b), row_accepted=state.get("row_accepted", zeros_b))
+
+
+# ---- the eager fallback: the same round driven from Python -------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "cache_len", "out_len"))
+def _eager_prefill(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids, key, *,
+                   target_def, draft_def, cache_len, out_len):
+  return _prefill(nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state), prompt,
+                  prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
+def _eager_draft(target_state, draft_state, state, *, target_def, draft_def):
+  target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+  base, hidden = _draft_forward(target, draft, state)
+  head, conf, hidden = _draft_inputs(draft, hidden)
+  return base, hidden, head, conf
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
+def _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows, stop_ids, key, *,
+                  target_def, draft_def):
+  target, draft = nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state)
+  return _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop_ids, key, False)
+
+
+def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len,
+               store_logits=True):
+  prompt, prompt_lens, max_new, rows, stop_ids, key = args
+  defs = dict(target_def=target_def, draft_def=draft_def)
+  state = _eager_prefill(target_state, draft_state, *args, cache_len=cache_len, out_len=out_len,
+                         **defs)
+  while not bool(jnp.all(state["done"])) and int(state["rounds"]) < out_len:
+    base, hidden, head, conf = _eager_draft(target_state, draft_state, state, **defs)
+    tokens, corrected, _ = proposal.eager_block(
+        head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"],
+        rows["seeds"], state["anchor_pos"], key, kind=kind, store_logits=store_logits)
+    state = _eager_verify(target_state, draft_state, state, tokens, corrected, max_new, rows,
+                          stop_ids, key, **defs)
+  return _finish_jit(state, out_len)
+
