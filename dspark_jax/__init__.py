@@ -14,6 +14,10 @@ Public API (each name documented in its module):
   (models.layers): the models.
 * `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
   `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
+* `schedules` (scheduling.schedules): verify-length schedules `Schedule(init, update)`: `fixed`,
+  `threshold`, `prefix` (Algorithm 1), `top_k` (lagged budget); `load_sps`, `save_sps`.
+* `calibration` (scheduling.calibration): Sequential Temperature Scaling `fit_sts`; `ece`,
+  `reliability`, `auc` of the cumulative survival.
 * `dspark_jax.testing`: exact reference laws, chi-square, and a toy pair for distribution checks.
 """
 
@@ -29,6 +33,7 @@ from dspark_jax.models.target import TargetConfig, TargetModel
 from dspark_jax.sampling.params import SamplingParams
 from dspark_jax.sampling.sampler import Stream, row_keys, sample_step
 from dspark_jax.sampling.target_law import sample_target, target_log_probs
+from dspark_jax.scheduling import calibration, schedules
 from dspark_jax.verification import AcceptResult, verify
 
 __version__ = "0.1.0"
@@ -39,5 +44,5 @@ __all__ = [
     "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape",
     "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
-    "TargetModel", "verify",
+    "TargetModel", "verify", "calibration", "schedules",
 ]
