@@ -2,7 +2,9 @@
 
 This module owns the pieces both models are made of, as flax nnx modules:
 
-* `rope`: rotary position embedding (rotate-half form, per-row absolute positions);
+* `RopeScaling`, `rope_frequencies`, `rope`: rotary position embedding (rotate-half form, per-row
+  absolute positions) and the frequency variants of Hugging Face checkpoints ("default", "linear",
+  "yarn", "llama3"), each computed as transformers' ``modeling_rope_utils`` computes it;
 * `Attention`: q/k/v/o projections without bias, per-head RMSNorm on queries and keys, RoPE, grouped-
   query attention (``num_heads`` query heads share ``num_kv_heads`` key/value heads). It exposes its
   halves (`Attention.queries`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
@@ -25,6 +27,66 @@ from flax import nnx
 from dspark_jax import validation
 
 
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+"""The RoPE variants implemented (``rope_type`` of a Hugging Face config)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A RoPE frequency variant, fully resolved (no field depends on another config value).
+
+  With ``inv_freq_i = theta ** (-2i / D)`` (i < D/2) the variants change the frequencies as follows;
+  `attention_factor` multiplies cos and sin (so q·k by its square):
+
+  * "default": unchanged (the other fields are ignored).
+  * "linear": ``inv_freq / factor``.
+  * "yarn": frequencies blended between ``inv_freq / factor`` (interpolated) and ``inv_freq``
+    (extrapolated) by a linear ramp over the dimensions whose rotation count within
+    `original_max_position_embeddings` lies between `beta_slow` and `beta_fast` (bounds floored and
+    ceiled when `truncate`); cos and sin scaled by `attention_factor`.
+  * "llama3": long wavelengths (> original / low_freq_factor) divided by `factor`, short ones
+    (< original / high_freq_factor) kept, smooth interpolation between.
+
+  Attributes:
+    rope_type: one of `ROPE_TYPES`. factor: the context extension factor (>= 1 in practice).
+    original_max_position_embeddings: the pre-extension context ("yarn", "llama3").
+    low_freq_factor, high_freq_factor: "llama3" only. beta_fast, beta_slow, truncate: "yarn" only.
+    attention_factor: the cos/sin scale ("yarn"; 1.0 for the others).
+  """
+
+  rope_type: str = "default"
+  factor: float = 1.0
+  original_max_position_embeddings: int = 0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 1.0
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"rope_type: {self.rope_type!r} is not implemented (implemented: "
+                       f"{', '.join(ROPE_TYPES)})")
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "attention_factor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                         and value > 0):
+        raise ValueError(f"rope_scaling.{name}: must be a finite number > 0, got {value!r}")
+    if not isinstance(self.truncate, bool):
+      raise ValueError(f"rope_scaling.truncate: must be true or false, got {self.truncate!r}")
+    if self.rope_type in ("yarn", "llama3"):
+      validation.check_positive_int("rope_scaling.original_max_position_embeddings",
+                                    self.original_max_position_embeddings)
+    if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f"rope_scaling.high_freq_factor: {self.high_freq_factor} must exceed "
+                       f"low_freq_factor={self.low_freq_factor}")
+    if self.rope_type != "yarn" and self.attention_factor != 1.0:
+      raise ValueError(f"rope_scaling.attention_factor: only \"yarn\" scales cos and sin, got "
+                       f"{self.attention_factor} for {self.rope_type!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
   """The sizes of one Qwen3-style decoder layer.
@@ -32,6 +94,8 @@ class LayerShape:
   Attributes:
     hidden_size: E. num_heads: N. num_kv_heads: K (divides N). head_dim: D.
     intermediate_size: the SwiGLU width. rope_theta: RoPE base. rms_eps: RMSNorm epsilon.
+    rope_scaling: the RoPE frequency variant (`RopeScaling`; a dict of its fields is converted,
+      which is how a config comes back from JSON).
   """
 
   hidden_size: int
@@ -41,8 +105,19 @@ class LayerShape:
   intermediate_size: int
   rope_theta: float = 1_000_000.0
   rms_eps: float = 1e-6
+  rope_scaling: RopeScaling = RopeScaling()
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):
+      names = {f.name for f in dataclasses.fields(RopeScaling)}
+      unknown = sorted(set(self.rope_scaling) - names)
+      if unknown:
+        raise ValueError(f"rope_scaling: unknown field {unknown[0]!r} (a RopeScaling has "
+                         f"{sorted(names)})")
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    if not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling: expected a RopeScaling, got "
+                       f"{type(self.rope_scaling).__name__}")
     for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
       validation.check_positive_int(name, getattr(self, name))
     for name in ("rope_theta", "rms_eps"):
@@ -55,12 +130,59 @@ class LayerShape:
       raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding of [B, T, heads, D] `x` at [B, T] absolute `positions` (rotate-half form)."""
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                     ) -> tuple[jax.Array, float]:
+  """The [D/2] float32 inverse frequencies of a RoPE variant, and its cos/sin scale.
+
+  Float32 arithmetic in the order transformers' ``modeling_rope_utils`` uses, so the frequencies
+  agree with a Hugging Face model's to float32 rounding.
+  """
+  scaling = scaling or RopeScaling()
+  half = head_dim // 2
+  exponents = jnp.arange(half, dtype=jnp.float32) / half                  # 2i / D
+  inv_freq = 1.0 / (theta ** exponents)
+  kind, factor = scaling.rope_type, scaling.factor
+  if kind == "linear":
+    inv_freq = inv_freq / factor
+  elif kind == "llama3":
+    original = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > original / low
+    divided = jnp.where(long_wave, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * divided / factor + smooth * divided
+    medium = ~(wavelen < original / high) & ~long_wave
+    inv_freq = jnp.where(medium, smoothed, divided)
+  elif kind == "yarn":
+    def correction_dim(rotations):  # the dimension that turns `rotations` times in `original`
+      original = scaling.original_max_position_embeddings
+      return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+      high += 0.001
+    pos_freqs = theta ** exponents
+    ramp = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                       # 1: extrapolate (original frequency), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+  return inv_freq, float(scaling.attention_factor)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
+  """Rotary embedding of [B, T, heads, D] `x` at [B, T] absolute `positions` (rotate-half form).
+
+  `scaling` picks the frequency variant (`RopeScaling`; None is "default"). Computed in float32.
+  """
+  inv_freq, attention_factor = rope_frequencies(x.shape[-1], theta, scaling)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq            # [B, T, D/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if attention_factor != 1.0:
+    cos, sin = cos * attention_factor, sin * attention_factor
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -94,14 +216,14 @@ class Attention(nnx.Module):
     """[B, T, E] -> [B, T, N, D] normalised, rotated queries."""
     b, t, _ = x.shape
     q = self.q_norm(self.q_proj(x).reshape(b, t, self.shape.num_heads, self.shape.head_dim))
-    return rope(q, positions, self.shape.rope_theta)
+    return rope(q, positions, self.shape.rope_theta, self.shape.rope_scaling)
 
   def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated)."""
     b, t, _ = x.shape
     k = self.k_norm(self.k_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim))
     v = self.v_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim)
-    return rope(k, positions, self.shape.rope_theta), v
+    return rope(k, positions, self.shape.rope_theta, self.shape.rope_scaling), v
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.

@@ -10,15 +10,20 @@ slots lie beyond the committed length and are overwritten before any query can s
 The call also returns the hidden states of configured layers (`TargetConfig.feature_layers`; index -1
 is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
 context features a DSpark draft reads (docs/design.md).
+
+`TargetModel.forward` and `logits` run the same layers without a cache: causal attention among the
+given tokens only (the counterpart of a Hugging Face ``model(input_ids)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
@@ -34,6 +39,8 @@ class TargetConfig:
     tie_embeddings: the LM head is the embedding matrix (transposed).
     feature_layers: layers whose hidden states the call returns as draft context features.
     dtype: compute dtype; param_dtype: storage dtype of the weights.
+    max_position_embeddings: the context length the model was trained for (a Hugging Face
+      config's field, kept so that a saved config says it again); None if unknown. Not enforced.
   """
 
   vocab_size: int
@@ -43,9 +50,12 @@ class TargetConfig:
   feature_layers: tuple[int, ...] = (-1,)
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  max_position_embeddings: int | None = None
 
   def __post_init__(self):
     validation.check_positive_int("vocab_size", self.vocab_size)
+    if self.max_position_embeddings is not None:
+      validation.check_positive_int("max_position_embeddings", self.max_position_embeddings)
     validation.check_positive_int("num_layers", self.num_layers)
     if not isinstance(self.layer, layers.LayerShape):
       raise ValueError(f"layer: expected a LayerShape, got {type(self.layer).__name__}")
@@ -99,6 +109,29 @@ class TargetModel(nnx.Module):
       return self.embed.attend(hidden)
     return self.lm_head(hidden)
 
+  def forward(self, tokens: jax.Array, positions: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+    """Runs [B, T] `tokens` without a cache: each token attends to the given tokens at or before
+    its own position.
+
+    Args:
+      tokens: [B, T] int token ids (not checked here: see `logits`).
+      positions: [B, T] int absolute positions, increasing within a row; default ``0 .. T-1``.
+
+    Returns:
+      logits [B, T, V] (compute dtype) and features [B, T, len(feature_layers) * E].
+    """
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    mask = positions[:, None, :] <= positions[:, :, None]                # [B, T, T] causal
+    x = self.embed(tokens)
+    saved = {-1: x}
+    for i, layer in enumerate(self.layers):
+      x, _ = layer(x, positions, lambda k, v: (k, v, mask, None))
+      saved[i] = x
+    features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
+    return self.logits(self.final_norm(x)), features
+
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict
                ) -> tuple[jax.Array, jax.Array, dict]:
     """Runs T new tokens per row.
@@ -129,3 +162,46 @@ class TargetModel(nnx.Module):
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     logits = self.logits(self.final_norm(x))
     return logits, features, {"k": tuple(new_k), "v": tuple(new_v)}
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _logits_program(state, tokens, *, graphdef):
+  return nnx.merge(graphdef, state).forward(tokens)[0]
+
+
+def logits(target: TargetModel, tokens) -> jax.Array:
+  """The target's logits after every prefix of `tokens`: a cache-free forward at positions
+  ``0 .. T-1`` (the counterpart of a Hugging Face ``model(input_ids).logits``).
+
+  Args:
+    target: the target model.
+    tokens: [B, T] integer token ids in [0, V), T >= 1 (an array or nested lists).
+
+  Returns:
+    [B, T, V] logits in the target's compute dtype; row b, column t is the next-token logits after
+    ``tokens[b, :t+1]``.
+
+  Raises:
+    ValueError: `tokens` is not 2-D, not integer, has no columns, or (when concrete) holds an id
+      outside [0, V) (naming the first bad element). Traced tokens are checked for shape and dtype
+      only; an out-of-range traced id reads a clipped embedding row.
+
+  Eager calls run one compiled program per (target structure, shape); inside the caller's
+  ``jax.jit`` (target closed over, or via ``nnx.jit``) the forward is traced in place.
+  """
+  if not isinstance(target, TargetModel):
+    raise ValueError(f"target: expected a TargetModel, got {type(target).__name__}")
+  tokens = validation.as_array("tokens", tokens)
+  if np.ndim(tokens) != 2:
+    raise ValueError(f"tokens: expected a [B, T] array, got shape {np.shape(tokens)}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens: expected integers, got dtype {tokens.dtype}")
+  if tokens.shape[1] == 0:
+    raise ValueError("tokens: expected at least one token per row, got shape "
+                     f"{tuple(tokens.shape)}")
+  vocab = target.config.vocab_size
+  validation.check_range("tokens", tokens, 0, vocab, what=f"token ids must be in [0, {vocab})")
+  if validation.is_traced(tokens):
+    return target.forward(tokens.astype(jnp.int32))[0]
+  graphdef, state = nnx.split(target)
+  return _logits_program(state, jnp.asarray(tokens, jnp.int32), graphdef=graphdef)
