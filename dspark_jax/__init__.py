@@ -12,6 +12,8 @@ Public API (each name documented in its module):
 * `verify`, `AcceptResult` (verification): lossless verification of a draft block.
 * `TargetModel`, `TargetConfig` (models.target), `DSparkDraft`, `DraftConfig` (models.draft), `LayerShape`
   (models.layers): the models.
+* `logits` (models.target): the target's logits of a cache-free forward (Hugging Face's
+  ``model(input_ids).logits``).
 * `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
   `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
 * `schedules` (scheduling.schedules): verify-length schedules `Schedule(init, update)`: `fixed`,
@@ -29,7 +31,7 @@ from dspark_jax.draft.memory_gate import FoldedSampling, GateDecision
 from dspark_jax.draft.proposer import DraftSampler, build_draft_sampler
 from dspark_jax.models.draft import DraftConfig, DSparkDraft
 from dspark_jax.models.layers import LayerShape
-from dspark_jax.models.target import TargetConfig, TargetModel
+from dspark_jax.models.target import TargetConfig, TargetModel, logits
 from dspark_jax.sampling.params import SamplingParams
 from dspark_jax.sampling.sampler import Stream, row_keys, sample_step
 from dspark_jax.sampling.target_law import sample_target, target_log_probs
@@ -41,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceptResult", "build_draft_sampler", "confidence_head_from_arrays", "ConfidenceHead",
     "decode", "DecodeOutput", "DraftBlock", "DraftConfig", "DraftSampler", "DSparkDraft",
-    "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape",
+    "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape", "logits",
     "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
     "TargetModel", "verify", "calibration", "schedules",
