@@ -9,6 +9,12 @@ Markov heads (rank r; ``w1`` [V, r] embedding, ``w2`` [r, V] projection, so ``bi
 * ``gated``:   ``g = sigmoid([h; e] @ gate_w + gate_b)``, ``v = g * e``  with ``e = w1[x_prev]``
 * ``rnn``:     ``[a, c, o] = split([s; e; h] @ joint_w + joint_b, 3)``,
   ``s' = sigmoid(a) * s + (1 - sigmoid(a)) * tanh(c)``, ``v = tanh(o)``; the state s starts at 0.
+* ``none``:    no sequential head (DeepSpec's ``markov_rank = 0``, a DFlash-style parallel drafter):
+  ``w1`` [V, 0] and ``w2`` [0, V] are empty and the bias is exactly 0, so every position is drawn
+  from the base logits. The GPU kernels exclude it (`dspark_jax.kernels.dispatch`); XLA runs it.
+
+These are DeepSpec's heads (``deepspec/modeling/dspark/markov_head.py``) with ``w2`` = the transpose
+of ``markov_w2.weight`` and ``gate_w`` / ``joint_w`` the transposes of ``gate_proj`` / ``joint_proj``.
 
 Confidence head: ``c_k = sigmoid((w . x + b) / T_k)`` with ``x = h_k`` (``w`` [H]) or
 ``x = [h_k; w1[x_{k-1}]]`` (``w`` [H + r], "with markov"); ``T_k`` are optional calibrated per-position
@@ -27,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-HEAD_KINDS = ("vanilla", "gated", "rnn")
+HEAD_KINDS = ("vanilla", "gated", "rnn", "none")
 _HEAD_KEYS = {
     "vanilla": ("w1", "w2"),
     "gated": ("w1", "w2", "gate_w", "gate_b"),
     "rnn": ("w1", "w2", "joint_w", "joint_b"),
+    "none": ("w1", "w2"),
 }
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -50,18 +57,19 @@ def markov_vector(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.A
   """The rank-r vector a sequential head multiplies with ``W2`` (``bias = v @ W2``), for one step.
 
   Args:
-    kind: "vanilla", "gated" or "rnn".
+    kind: "vanilla", "gated", "rnn" or "none".
     params: the head's arrays (see `markov_head_from_arrays`).
     prev_tokens: [B] int, the token sampled at the previous step (the anchor at step 1).
-    hidden: [B, H] backbone hidden state of this position; unused (may be None) for "vanilla".
-    state: [B, r] float32 recurrent state; carried unchanged by "vanilla" and "gated".
+    hidden: [B, H] backbone hidden state of this position; unused (may be None) for "vanilla" and
+      "none".
+    state: [B, r] float32 recurrent state; carried unchanged by "vanilla", "gated" and "none".
 
   Returns:
     ``(v [B, r] float32, e [B, r] float32 = w1[prev_tokens], new_state [B, r] float32)``.
   """
   e = jnp.take(params["w1"], prev_tokens, axis=0).astype(jnp.float32)
-  if kind == "vanilla":
-    v = e
+  if kind in ("vanilla", "none"):
+    v = e                                    # "none": [B, 0]
   elif kind == "gated":
     gate = jax.nn.sigmoid(_dense(jnp.concatenate([hidden.astype(jnp.float32), e], -1),
                                  params["gate_w"], params["gate_b"]))
@@ -91,7 +99,11 @@ def markov_step(kind: str, params: Mapping[str, jax.Array], prev_tokens: jax.Arr
 
 
 def markov_bias(w2: jax.Array, v: jax.Array) -> jax.Array:
-  """``bias = v @ W2``: [B, V] float32 from [B, r] vectors (cast to W2's dtype first) and [r, V]."""
+  """``bias = v @ W2``: [B, V] float32 from [B, r] vectors (cast to W2's dtype first) and [r, V].
+
+  r = 0 (a draft without a sequential head) gives exact zeros."""
+  if w2.shape[0] == 0:
+    return jnp.zeros((*v.shape[:-1], w2.shape[1]), jnp.float32)
   # float32 weights get full-precision products (no TF32); 16-bit weights stream as they are.
   precision = _HIGHEST if w2.dtype == jnp.float32 else None
   return jnp.dot(v.astype(w2.dtype), w2, preferred_element_type=jnp.float32, precision=precision)
@@ -151,6 +163,12 @@ def _check_markov_arrays(kind: str, arrays: Mapping) -> dict[str, jax.Array]:
   if out["w1"].ndim != 2:
     raise ValueError(f"arrays['w1']: expected [V, r], got shape {tuple(out['w1'].shape)}")
   vocab, rank = out["w1"].shape
+  if kind == "none" and rank != 0:
+    raise ValueError(f"arrays['w1']: a 'none' head has rank 0 (w1 [V, 0]), got shape "
+                     f"{tuple(out['w1'].shape)}")
+  if kind != "none" and rank == 0:
+    raise ValueError(f"arrays['w1']: a {kind!r} head needs rank r >= 1, got shape "
+                     f"{tuple(out['w1'].shape)} (use kind 'none' for a draft without a head)")
   _expect_shape("w2", out["w2"], (rank, vocab))
   if kind == "gated":
     w = out["gate_w"]
@@ -195,7 +213,7 @@ def _check_confidence_arrays(arrays: Mapping) -> dict[str, jax.Array]:
 
 
 class MarkovHead(nnx.Module):
-  """A sequential head (vanilla, gated or rnn) holding its weights as `nnx.Param`s.
+  """A sequential head (vanilla, gated, rnn, or none: no bias) holding its weights as `nnx.Param`s.
 
   Build one from arrays with `markov_head_from_arrays`, or with random weights with `MarkovHead.random`.
   ``head(prev_tokens, hidden, state)`` runs `markov_step`; ``head.arrays()`` returns the params pytree.
@@ -210,7 +228,13 @@ class MarkovHead(nnx.Module):
   @classmethod
   def random(cls, kind: str, *, vocab_size: int, rank: int, hidden_size: int | None = None,
              rngs: nnx.Rngs, dtype=jnp.float32, bias_scale: float = 1.0) -> "MarkovHead":
-    """Random weights scaled so that the bias entries are O(`bias_scale`)."""
+    """Random weights scaled so that the bias entries are O(`bias_scale`); kind "none" needs
+    ``rank=0`` and gets the empty arrays."""
+    if kind == "none":
+      if rank != 0:
+        raise ValueError(f"rank: a 'none' head has rank 0, got {rank}")
+      return cls(kind, {"w1": jnp.zeros((vocab_size, 0), dtype),
+                        "w2": jnp.zeros((0, vocab_size), dtype)})
     if kind != "vanilla" and not hidden_size:
       raise ValueError(f"hidden_size: a {kind!r} head needs the backbone hidden size")
     normal = jax.nn.initializers.normal
@@ -236,7 +260,7 @@ class MarkovHead(nnx.Module):
 
   @property
   def hidden_size(self) -> int | None:
-    """H implied by the weights (gated, rnn); None for vanilla, which does not see h."""
+    """H implied by the weights (gated, rnn); None for vanilla and none, which do not see h."""
     if self.kind == "gated":
       return int(self.gate_w.shape[0]) - self.rank
     if self.kind == "rnn":
@@ -245,7 +269,7 @@ class MarkovHead(nnx.Module):
 
   @property
   def needs_hidden(self) -> bool:
-    return self.kind != "vanilla"
+    return self.kind in ("gated", "rnn")
 
   def arrays(self) -> dict[str, jax.Array]:
     """The params pytree: a dict of the weights (keys as in `markov_head_from_arrays`)."""
@@ -286,7 +310,7 @@ def markov_head_from_arrays(kind: str, arrays: Mapping[str, np.ndarray]) -> Mark
   """Builds a sequential head from NumPy (or JAX) arrays; the inputs are copied, never mutated.
 
   Args:
-    kind: "vanilla", "gated" or "rnn".
+    kind: "vanilla", "gated", "rnn" or "none" (no sequential head: ``w1`` [V, 0], ``w2`` [0, V]).
     arrays: ``w1`` [V, r] (embedding) and ``w2`` [r, V] (``bias = w1[x] @ w2``) for every kind;
       gated adds ``gate_w`` [H+r, r] (input order [h; e]) and ``gate_b`` [r]; rnn adds ``joint_w``
       [2r+H, 3r] (input order [s; e; h], output split [gate; candidate; output]) and ``joint_b`` [3r].

@@ -132,7 +132,7 @@ class Problem:
     platform: "gpu", "cpu", "tpu", ... compute_capability: the GPU's, e.g. "9.0" (None elsewhere).
     core_count: the GPU's multiprocessor count (sizes the Hopper grid). greedy_only: the variant.
     batch, vocab, rank, gamma: B, V, r, γ. w2_dtype, logits_dtype: dtype names.
-    head_kind: "vanilla", "gated" or "rnn". store_logits: the sampling variant stores its corrected
+    head_kind: "vanilla", "gated", "rnn" or "none" (r = 0). store_logits: the sampling variant stores its corrected
     logits (False: a `CompactLogits`). confidence: a confidence head runs in the block.
   """
 
@@ -202,7 +202,12 @@ def _tiles_per_instance(p: Problem) -> int:
   return -(-tiles // min(programs, tiles))
 
 
+HAS_HEAD: Precondition = (
+    "a sequential head (r >= 1; a rank-0 draft samples its base logits, on XLA)",
+    lambda p: p.rank >= 1)
+
 TRITON_PRECONDITIONS: tuple[Precondition, ...] = (
+    HAS_HEAD,
     (f"V has a power-of-two tile of at least {MIN_TRITON_TILE} columns",
      lambda p: sampling.vocab_tile(p.vocab) >= MIN_TRITON_TILE),
     (f"r is a multiple of {MIN_TRITON_RANK}", lambda p: p.rank % MIN_TRITON_RANK == 0),
@@ -210,6 +215,7 @@ TRITON_PRECONDITIONS: tuple[Precondition, ...] = (
 )
 
 HOPPER_PRECONDITIONS: tuple[Precondition, ...] = (
+    HAS_HEAD,
     ("a Hopper GPU (compute capability 9) or Pallas' interpreter",
      lambda p: p.interpret or str(p.compute_capability or "").startswith("9")),
     ("W2 and the logits are bfloat16",

@@ -14,8 +14,15 @@ This module owns the draft model, as flax nnx modules:
 * **Output.** Final RMSNorm, then the target's (frozen, shared) LM head: base logits U [B, γ, V] (row k
   predicts draft token k + 1) and the hidden states h [B, γ, E] that the gated/rnn sequential heads and
   the confidence head read.
-* **Heads.** The sequential head (`heads.MarkovHead`, any kind) and optionally the confidence head;
-  block sampling itself belongs to `proposal`.
+* **Heads.** The sequential head (`heads.MarkovHead`, any kind; kind "none" with rank 0 is a
+  DFlash-style parallel drafter whose tokens come from the base logits) and optionally the
+  confidence head, which reads ``h_k`` (after the final norm) and, "with markov", ``W1[x_{k-1}]``;
+  block sampling itself belongs to `dspark_jax.draft.block`.
+
+This is the math of DeepSpec's ``Qwen3DSparkModel`` at inference (``_forward_backbone`` and
+``deepspec/eval/dspark``): the context states get no ``input_layernorm`` (only ``hidden_norm``), keys
+of context and block both get ``k_norm`` and RoPE at their absolute positions, and there is no mask
+inside the block. `dspark_jax.formats.deepspec` converts its checkpoints.
 
 The draft does not own the embedding or the LM head: every call takes the `TargetModel` whose weights
 it shares, and reads them through ``stop_gradient``.
@@ -46,9 +53,14 @@ class DraftConfig:
     target_layer_ids: target layers read as context (-1 = embedding output); the target must be
       built with these as its `TargetConfig.feature_layers`.
     mask_token_id: the reserved id filling the block after the anchor (< V).
-    head_kind: "vanilla", "gated" or "rnn". rank: the sequential head's rank r.
-    confidence: build a confidence head; confidence_with_markov: it also reads W1[x_{k-1}].
+    head_kind: "vanilla", "gated", "rnn", or "none" (no sequential head: DeepSpec's
+      ``markov_rank = 0``, a DFlash-style drafter). rank: the sequential head's rank r (0 exactly
+      when head_kind is "none").
+    confidence: build a confidence head; confidence_with_markov: it also reads W1[x_{k-1}] (needs a
+      sequential head).
     layer: shape of each draft layer (None: the target's layer shape).
+    num_anchors: training only: anchor blocks sampled per sequence (DeepSpec's field, kept so that
+      a checkpoint round trip says it again).
     dtype, param_dtype: as for the target.
   """
 
@@ -61,16 +73,25 @@ class DraftConfig:
   confidence: bool = True
   confidence_with_markov: bool = True
   layer: layers.LayerShape | None = None
+  num_anchors: int = 512
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
     validation.check_positive_int("gamma", self.gamma)
     validation.check_nonnegative_int("num_layers", self.num_layers)
-    validation.check_positive_int("rank", self.rank)
+    validation.check_nonnegative_int("rank", self.rank)
     validation.check_nonnegative_int("mask_token_id", self.mask_token_id)
-    if self.head_kind not in ("vanilla", "gated", "rnn"):
-      raise ValueError(f"head_kind: expected 'vanilla', 'gated' or 'rnn', got {self.head_kind!r}")
+    validation.check_positive_int("num_anchors", self.num_anchors)
+    if self.head_kind not in heads.HEAD_KINDS:
+      raise ValueError(f"head_kind: expected 'vanilla', 'gated', 'rnn' or 'none', got "
+                       f"{self.head_kind!r}")
+    if (self.rank == 0) != (self.head_kind == "none"):
+      raise ValueError(f"rank: {self.rank} with head_kind {self.head_kind!r}; rank is 0 exactly "
+                       f"when head_kind is 'none' (no sequential head)")
+    if self.confidence and self.confidence_with_markov and self.head_kind == "none":
+      raise ValueError("confidence_with_markov: the confidence head reads W1[x_{k-1}] of the "
+                       "sequential head, and head_kind 'none' has none")
     if self.layer is not None and not isinstance(self.layer, layers.LayerShape):
       raise ValueError(f"layer: expected a LayerShape or None, got {type(self.layer).__name__}")
 
