@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.train import data
 from dspark_jax import decoding
 from dspark_jax.models import shipped
 from dspark_jax.sampling import params as sp
@@ -48,7 +47,7 @@ def run(args) -> int:
   params = sp.SamplingParams(temperature=np.full(len(prompts), args.temperature),
                              seed=np.arange(len(prompts)))
   key = jax.random.key(args.seed)
-  common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[data.END_OF_TEXT_ID])
+  common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=list(pair.tokenizer.stop_token_ids))
 
   print(f"[2/4] speculative decoding of {len(prompts)} held-out prompts (T = {args.temperature:g}) "
         "...", flush=True)

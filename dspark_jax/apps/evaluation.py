@@ -1,6 +1,11 @@
-"""The acceptance study behind ``dspark-jax eval``: DSpark drafter vs its parallel ablation.
+"""The acceptance measurements behind ``dspark-jax eval``: the shipped pair's study, and any pair on
+a DeepSpec evaluation dataset.
 
-This module owns the measurement the paper's Table 1 and Fig. 2 make, on the shipped pair: for each
+This module owns the measurement the paper's Table 1 and Fig. 2 make. `evaluate_pair` runs it for a
+loaded target, drafter and tokenizer on prompts read by `read_eval_dataset` (DeepSpec's
+``eval_datasets/*.jsonl``: one ``{"turns": [...]}`` per line, the first turn is the prompt), in
+batches of a given size, at each temperature, and pools the counts of the batches (`pool`).
+`acceptance_study` is the shipped pair's study: for each
 temperature, the held-out prompts are decoded speculatively with the DSpark drafter (sequential head)
 and with the ablation trained without it, and once autoregressively. It reports τ (mean tokens per
 round, accepted drafts + bonus), the per-position conditional acceptance P(draft k accepted | drafts
@@ -13,19 +18,22 @@ interval of accepted over reached drafts at that position, which treats the draf
 trials (rounds of one prompt are not quite: read it as a guide). Both come from the counts that
 `generate` returns, so results of several calls can be pooled.
 
-Each configuration is one `generate` call over all prompts (its compilation excluded from tokens/s);
-rows stop at ``<|endoftext|>`` or after ``max_new_tokens``.
+In the study each configuration is one `generate` call over all prompts (its compilation excluded
+from tokens/s); rows stop at the tokenizer's stop ids (the shipped pair: ``<|endoftext|>``) or after
+``max_new_tokens``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from dspark_jax.train import data
 from dspark_jax import decoding
 from dspark_jax.sampling import params as sp
 from dspark_jax.models import shipped
@@ -56,6 +64,7 @@ class StudyRow:
     out["tau_interval"] = [float(a) for a in self.tau_interval]
     out["reached"] = [int(a) for a in self.reached]
     out["accepted"] = [int(a) for a in self.accepted]
+    out["baseline_tokens_per_second"] = clean(self.baseline_tokens_per_second)
     return out
 
 
@@ -106,7 +115,7 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
     params = sp.SamplingParams(temperature=np.full(len(prompts), temperature),
                                seed=np.arange(len(prompts)) + seed)
     key = jax.random.key(seed)
-    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[data.END_OF_TEXT_ID])
+    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=list(pair.tokenizer.stop_token_ids))
     baseline = decoding.generate(pair.target, None, prompts, params, key, spec=False, **common)
     bar.update(1)
     for name, draft in drafters.items():
@@ -124,6 +133,124 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
   return rows
 
 
+def read_eval_dataset(path: str, num_prompts: int | None = None) -> list[str]:
+  """The prompts of a DeepSpec evaluation file: per non-blank line a JSON object whose ``turns`` is a
+  non-empty list of strings; the first turn is the prompt. The first `num_prompts` (all by default).
+
+  Raises:
+    ValueError: an unreadable file, or a line that breaks the format, naming ``path:line``.
+  """
+  prompts = []
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.readlines()
+  except (OSError, UnicodeDecodeError) as error:
+    raise ValueError(f"{path}: cannot read the dataset ({error})") from None
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as error:
+      raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    turns = row.get("turns") if isinstance(row, dict) else None
+    if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+      raise ValueError(f"{path}:{number}: expected an object whose 'turns' is a non-empty list of "
+                       "strings")
+    prompts.append(turns[0])
+    if num_prompts is not None and len(prompts) == num_prompts:
+      break
+  if not prompts:
+    raise ValueError(f"{path}: no prompts")
+  return prompts
+
+
+@dataclasses.dataclass
+class Pooled:
+  """Counts of several `generate` calls together: τ and acceptance as if they were one call."""
+
+  reached: np.ndarray        # [γ]
+  accepted: np.ndarray       # [γ]
+  row_rounds: np.ndarray     # [prompts]
+  row_accepted: np.ndarray   # [prompts]
+  tokens: int
+  wall_seconds: float
+
+  @property
+  def tau(self) -> float:
+    return 1.0 + float(self.row_accepted.sum()) / max(float(self.row_rounds.sum()), 1.0)
+
+  @property
+  def acceptance(self) -> np.ndarray:
+    return np.where(self.reached > 0, self.accepted / np.maximum(self.reached, 1), np.nan)
+
+  @property
+  def tokens_per_second(self) -> float:
+    return self.tokens / max(self.wall_seconds, 1e-12)
+
+
+def pool(results: Sequence[decoding.GenerateResult]) -> Pooled:
+  """Pools the counts of `generate` results of one drafter (compilation excluded from the time)."""
+  if not results:
+    raise ValueError("results: nothing to pool")
+  return Pooled(reached=np.sum([r.reached for r in results], axis=0),
+                accepted=np.sum([r.accepted for r in results], axis=0),
+                row_rounds=np.concatenate([r.row_rounds for r in results]),
+                row_accepted=np.concatenate([r.row_accepted for r in results]),
+                tokens=int(sum(int(r.lengths.sum()) for r in results)),
+                wall_seconds=float(sum(r.wall_seconds for r in results)))
+
+
+def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
+                  temperatures: Sequence[float] = (1.0,), max_new_tokens: int = 2048,
+                  batch_size: int = 1, chat: bool = False,
+                  chat_kwargs: Mapping[str, Any] | None = None, seed: int = 0,
+                  baseline: bool = False, name: str = "draft",
+                  progress: bool = True) -> list[StudyRow]:
+  """τ, per-position acceptance and tokens/s of `draft` on `prompts`, one `StudyRow` per temperature.
+
+  The prompts are decoded in order, `batch_size` at a time (the last batch may be smaller); prompt i
+  has seed ``seed + i``, every batch the key ``jax.random.key(seed)``; rows stop at the tokenizer's
+  stop ids or after `max_new_tokens`. With ``chat=True`` each prompt is one user message rendered by
+  the chat template with `chat_kwargs` (DeepSpec's evaluator passes ``enable_thinking=False``).
+  `baseline` also decodes autoregressively for the plain tokens/s (NaN otherwise).
+  """
+  from tqdm.auto import tqdm
+
+  from dspark_jax.text import generation
+
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+  ids = generation.encode_prompts(tokenizer, list(prompts), chat=chat, chat_kwargs=chat_kwargs)
+  stop_ids = [i for i in tokenizer.stop_token_ids if i < target.config.vocab_size]
+  batches = [range(i, min(i + batch_size, len(ids))) for i in range(0, len(ids), batch_size)]
+  rows = []
+  bar = tqdm(total=len(temperatures) * len(batches) * (2 if baseline else 1), desc="eval",
+             disable=not progress)
+  for temperature in temperatures:
+    runs: dict[bool, list] = {True: [], False: []}
+    for spec in (True, False) if baseline else (True,):
+      for rows_of in batches:
+        params = sp.SamplingParams(temperature=np.full(len(rows_of), float(temperature)),
+                                   seed=np.asarray(rows_of) + seed)
+        runs[spec].append(decoding.generate(
+            target, draft if spec else None, [ids[i] for i in rows_of], params,
+            jax.random.key(seed), max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+            spec=spec))
+        bar.update(1)
+    pooled = pool(runs[True])
+    plain = pool(runs[False]).tokens_per_second if baseline else math.nan
+    rows.append(StudyRow(drafter=name, temperature=float(temperature), tau=pooled.tau,
+                         acceptance=pooled.acceptance, rounds=sum(r.rounds for r in runs[True]),
+                         tau_interval=tau_interval(pooled.row_accepted, pooled.row_rounds),
+                         acceptance_interval=wilson_interval(pooled.accepted, pooled.reached),
+                         reached=pooled.reached, accepted=pooled.accepted, tokens=pooled.tokens,
+                         tokens_per_second=pooled.tokens_per_second,
+                         baseline_tokens_per_second=plain))
+  bar.close()
+  return rows
+
+
 def format_table(rows: Sequence[StudyRow]) -> str:
   """A markdown table: τ and per-position acceptance with 95 % intervals, tokens/s."""
   gamma = len(rows[0].acceptance)
@@ -134,8 +261,10 @@ def format_table(rows: Sequence[StudyRow]) -> str:
     acc = " | ".join("–" if np.isnan(a) else f"{a:.2f} [{lo:.2f}, {hi:.2f}]"
                      for a, (lo, hi) in zip(row.acceptance, row.acceptance_interval))
     lo, hi = row.tau_interval
+    plain = ("–" if math.isnan(row.baseline_tokens_per_second)
+             else f"{row.baseline_tokens_per_second:.0f}")
     lines.append(f"| {row.drafter} | {row.temperature:g} | {row.tau:.2f} [{lo:.2f}, {hi:.2f}] | "
-                 f"{acc} | {row.tokens_per_second:.0f} | {row.baseline_tokens_per_second:.0f} |")
+                 f"{acc} | {row.tokens_per_second:.0f} | {plain} |")
   return "\n".join(lines)
 
 

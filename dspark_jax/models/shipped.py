@@ -10,7 +10,10 @@ export``) and loading them with no download:
 * ``tokenizer.json`` (byte-level BPE) and ``heldout_prompts.json`` (openings of held-out files).
 
 `load_shipped` builds the models (computing in float32 on the CPU, bf16 elsewhere unless told) and
-checks every file against the manifest.
+the tokenizer, and checks every file against the manifest. The tokenizer is a
+`dspark_jax.text.Tokenizer` (alone: `load_shipped_tokenizer`): ``<|endoftext|>`` = 0 is its EOS and
+stop token, ``<|mask|>`` = 1 its mask token. That rule holds for the shipped pair only; loaded
+models take their ids from their files.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dspark_jax.train import checkpoints
 from dspark_jax.train import data
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.text.tokenizer import Tokenizer
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 PART_BYTES = 15 * 2**20
@@ -91,9 +95,10 @@ def _read_parts(directory: str, names: list[str]) -> tuple[dict[str, Any], dict[
 
 @dataclasses.dataclass
 class ShippedPair:
-  """The loaded assets. `ablation` is the parallel drafter trained without the sequential head."""
+  """The loaded assets. `ablation` is the parallel drafter trained without the sequential head;
+  `tokenizer` is a `dspark_jax.text.Tokenizer` (`load_shipped_tokenizer`)."""
 
-  tokenizer: Any
+  tokenizer: Tokenizer
   target: tm.TargetModel
   draft: dm.DSparkDraft
   ablation: dm.DSparkDraft
@@ -101,10 +106,28 @@ class ShippedPair:
   prompts: list[str]
 
   def encode(self, text: str) -> list[int]:
-    return self.tokenizer.encode(text, add_special_tokens=False).ids
+    return self.tokenizer.encode(text, add_special_tokens=False)
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode([int(i) for i in ids if i >= 0])
+
+
+def load_shipped_tokenizer(directory: str = ASSETS) -> Tokenizer:
+  """The shipped byte-level BPE as a `dspark_jax.text.Tokenizer`: ``<|endoftext|>`` (id 0) is its
+  EOS and only stop token, ``<|mask|>`` (id 1) its mask token (`dspark_jax.train.data`).
+
+  Raises:
+    ValueError: ``tokenizer.json`` missing, unreadable, or with the reserved tokens elsewhere.
+  """
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{path}: the shipped tokenizer is missing")
+  try:
+    backend = data.load_tokenizer(path)
+  except Exception as error:  # the tokenizers library raises its own error for a damaged file
+    raise ValueError(f"{path}: not a readable tokenizer ({error})") from error
+  return Tokenizer.from_backend(backend, special_tokens={"eos_token": data.END_OF_TEXT,
+                                                         "mask_token": data.MASK})
 
 
 def available(directory: str = ASSETS) -> bool:
@@ -144,13 +167,7 @@ def load_shipped(directory: str = ASSETS, *, compute_dtype=None) -> ShippedPair:
     config = dataclasses.replace(checkpoints.draft_config_from_dict(meta["config"]),
                                  dtype=compute_dtype)
     drafts[name] = checkpoints.draft_from_arrays(config, target_config, arrays)
-  tokenizer_path = os.path.join(directory, "tokenizer.json")
-  if not os.path.exists(tokenizer_path):
-    raise ValueError(f"{tokenizer_path}: the shipped tokenizer is missing")
-  try:
-    tokenizer = data.load_tokenizer(tokenizer_path)
-  except Exception as error:  # the tokenizers library raises its own error for a damaged file
-    raise ValueError(f"{tokenizer_path}: not a readable tokenizer ({error})") from error
+  tokenizer = load_shipped_tokenizer(directory)
   prompts = _read_json(os.path.join(directory, "heldout_prompts.json"))
   return ShippedPair(tokenizer=tokenizer, target=target, draft=drafts["draft"],
                      ablation=drafts["ablation"], manifest=manifest, prompts=prompts)
