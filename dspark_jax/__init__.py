@@ -14,6 +14,10 @@ Public API (each name documented in its module):
   (models.layers): the models.
 * `logits` (models.target): the target's logits of a cache-free forward (Hugging Face's
   ``model(input_ids).logits``).
+* `load_pretrained`, `save_pretrained` (formats.pretrained): a Hugging Face Qwen3 target and a
+  DeepSpec DSpark / DFlash draft, read from and written to their directories.
+* `draft_proposal` (draft.draft_proposal): the draft block proposed after given tokens, as inside
+  `generate`.
 * `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
   `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
 * `schedules` (scheduling.schedules): verify-length schedules `Schedule(init, update)`: `fixed`,
@@ -25,10 +29,12 @@ Public API (each name documented in its module):
 
 from dspark_jax.decoding import DecodeOutput, GenerateResult, decode, generate
 from dspark_jax.draft.block import DraftBlock, sample_block, sample_block_eager
+from dspark_jax.draft.draft_proposal import draft_proposal
 from dspark_jax.draft.heads import (ConfidenceHead, MarkovHead, confidence_head_from_arrays,
                                     markov_head_from_arrays)
 from dspark_jax.draft.memory_gate import FoldedSampling, GateDecision
 from dspark_jax.draft.proposer import DraftSampler, build_draft_sampler
+from dspark_jax.formats.pretrained import load_pretrained, save_pretrained
 from dspark_jax.models.draft import DraftConfig, DSparkDraft
 from dspark_jax.models.layers import LayerShape
 from dspark_jax.models.target import TargetConfig, TargetModel, logits
@@ -46,5 +52,6 @@ __all__ = [
     "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape", "logits",
     "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
-    "TargetModel", "verify", "calibration", "schedules",
+    "TargetModel", "verify", "calibration", "schedules", "load_pretrained", "save_pretrained",
+    "draft_proposal",
 ]

@@ -1,12 +1,12 @@
 """`draft_proposal`: the block a draft proposes after given tokens, exactly as inside `generate`.
 
 This module owns one researcher-facing function. For tokens ``[B, n]`` it runs generate's own
-pieces (`dspark_jax.decoding`) in one compiled program:
+pieces (`dspark_jax.decoding.rounds`) in one compiled program:
 
-* the prefill (`decoding._prefill`) over ``tokens[:, :n-1]``: the target's features of positions
+* the prefill (`rounds._prefill`) over ``tokens[:, :n-1]``: the target's features of positions
   0 .. n-2 fill the draft's context cache;
 * the anchor ``tokens[:, n-1]`` at position n-1 (where generate puts its first sampled token);
-* the draft forward (`decoding._draft_forward`): the block ``[anchor, mask × (γ-1)]`` at positions
+* the draft forward (`rounds._draft_forward`): the block ``[anchor, mask × (γ-1)]`` at positions
   n-1 .. n+γ-2, attending to the whole context and bidirectionally to itself;
 * the folded block sampler (`dspark_jax.draft.block.folded_block`) with the draft's head and
   confidence head, keyed as generate's round at that position is.
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import decoding
+from dspark_jax.decoding import host
+from dspark_jax.decoding import rounds
 from dspark_jax import validation
 from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import pallas_block
@@ -42,13 +43,13 @@ def _program(target_state, draft_state, tokens, rows, key, *, target_def, draft_
   batch, n = tokens.shape
   context_lens = jnp.full((batch,), n - 1, jnp.int32)
   no_stops = jnp.full((batch, 0), -1, jnp.int32)
-  state = decoding._prefill(target, draft, tokens[:, :n - 1], context_lens,
+  state = rounds._prefill(target, draft, tokens[:, :n - 1], context_lens,
                             jnp.ones((batch,), jnp.int32), rows, no_stops, key, n, 1)
   # generate samples this token from the target; here it is given.
   state = dict(state, anchor=tokens[:, n - 1], anchor_pos=context_lens)
-  base, hidden = decoding._draft_forward(target, draft, state)
+  base, hidden = rounds._draft_forward(target, draft, state)
   head = pallas_block.head_arrays_for(draft.head.arrays(), [backend])
-  head, conf, hidden = decoding._draft_inputs(draft, hidden, head)
+  head, conf, hidden = rounds._draft_inputs(draft, hidden, head)
   drafts, corrected, confidence = proposal.folded_block(
       head, conf, base, state["anchor"], hidden, rows["greedy"], rows["temperature"],
       rows["seeds"], state["anchor_pos"], key, kind=draft.head.kind, greedy_only=greedy_only,
@@ -88,7 +89,7 @@ def draft_proposal(target: tm.TargetModel, draft: dm.DSparkDraft, tokens, params
       explicit backend whose preconditions fail.
   """
   draft.config.check_against(target.config)
-  decoding.check_pair(target, draft)
+  host.check_pair(target, draft)
   tokens = validation.as_array("tokens", tokens)
   if np.ndim(tokens) != 2:
     raise ValueError(f"tokens: expected [B, n], got shape {np.shape(tokens)}")
@@ -111,7 +112,7 @@ def draft_proposal(target: tm.TargetModel, draft: dm.DSparkDraft, tokens, params
       draft.head.arrays(), jax.ShapeDtypeStruct((batch, gamma, vocab), draft.config.dtype),
       kind=draft.head.kind, greedy_only=greedy_only, store_logits=store_logits,
       confidence=draft.confidence is not None, backend=backend, config=config)
-  rows = decoding._row_arrays(params)
+  rows = rounds._row_arrays(params)
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = nnx.split(draft)
   drafts, corrected, confidence = _program(
