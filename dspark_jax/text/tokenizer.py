@@ -256,16 +256,17 @@ class Tokenizer:
 
   def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
     """The text of `ids` (a sequence or 1-D array); -1 entries (the package's padding) are dropped.
+    Ids at or past `vocab_size` have no text and give none, as in the `tokenizers` library and
+    transformers (a model's embedding table is often larger than its tokenizer).
 
     Raises:
-      ValueError: an id below -1 or outside the vocabulary, naming its position.
+      ValueError: an id below -1, naming its position.
     """
     ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
-    size = self.vocab_size
     for position, token_id in enumerate(ids):
-      if not -1 <= token_id < size:
-        raise ValueError(f"ids: entry {position} is {token_id}; must be a token id in [0, {size}) "
-                         "or -1 (padding)")
+      if token_id < -1:
+        raise ValueError(f"ids: entry {position} is {token_id}; must be a token id >= 0 or -1 "
+                         "(padding)")
     text = self.backend.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)
     if self.clean_up_tokenization_spaces and self._model_type() != "BPE":
       for old, new in _CLEAN_UP:
