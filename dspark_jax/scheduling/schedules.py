@@ -129,8 +129,8 @@ def _check_update(confidence, active) -> tuple[jax.Array, jax.Array]:
   return c, jnp.asarray(active)
 
 
-def _check_sps(sps) -> jax.Array:
-  """`sps` as a float32 device constant; sps[1:] must be finite and > 0 (sps[0] is never read)."""
+def _check_sps(sps) -> np.ndarray:
+  """`sps` as a float32 host array; sps[1:] must be finite and > 0 (sps[0] is never read: set to 0)."""
   if validation.is_traced(sps):
     raise ValueError("sps: expected a concrete table (a NumPy array or list), got a traced value")
   sps = validation.as_array("sps", sps)
@@ -144,7 +144,8 @@ def _check_sps(sps) -> jax.Array:
   if host.dtype.kind not in "iuf":
     raise ValueError(f"sps: expected numbers, got dtype {host.dtype}")
   values = host.astype(np.float64)
-  narrow = values.astype(np.float32)
+  with np.errstate(over="ignore"):
+    narrow = values.astype(np.float32)
   bad = ~(np.isfinite(values) & np.isfinite(narrow) & (values > 0) & (narrow > 0))
   bad[0] = False
   if bad.any():
@@ -152,7 +153,18 @@ def _check_sps(sps) -> jax.Array:
     raise ValueError(f"sps: entry {n} is {values[n]}; sps[n] for n >= 1 must be finite and > 0 "
                      "(in float32)")
   narrow[0] = 0.0
-  return jnp.asarray(narrow, jnp.float32)
+  return narrow
+
+
+def _fit_table(table: np.ndarray, batch: int, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+  """The table cut or zero-padded to the B·(γ + 1) + 1 entries a round can read, and its length.
+
+  The compiled cores then depend on (B, γ) only, not on the table's length.
+  """
+  size = batch * (gamma + 1) + 1
+  fitted = np.zeros(size, np.float32)
+  fitted[:min(size, table.shape[0])] = table[:size]
+  return fitted, np.int32(min(table.shape[0], size))
 
 
 def _check_unit(name: str, value) -> float:
@@ -170,13 +182,20 @@ def _check_unit(name: str, value) -> float:
 def survivals(confidence: jax.Array) -> jax.Array:
   """[B, γ] float32 prefix survivals a_{r,j} = Π_{i≤j} c_{r,i}, multiplied left to right.
 
-  Sequential products (not a scan), so the values are the same in every program and a_{r,j} ≤
-  a_{r,j−1} exactly for confidences in [0, 1].
+  Sequential products (not a scan), so the values are the same in every program, and a_{r,j} ≤
+  a_{r,j−1} exactly for confidences in [0, 1]. A value below float32's smallest normal number
+  (about 1.2e-38) is 0: XLA may flush subnormals on one device and not on another, so they are
+  flushed everywhere.
   """
   c = jnp.asarray(confidence, jnp.float32)
-  columns = [c[:, 0]]
+  tiny = jnp.float32(np.finfo(np.float32).tiny)
+
+  def flush(x):
+    return jnp.where(x < tiny, jnp.float32(0), x)
+
+  columns = [flush(c[:, 0])]
   for j in range(1, c.shape[1]):
-    columns.append(columns[-1] * c[:, j])
+    columns.append(flush(columns[-1] * c[:, j]))
   return jnp.stack(columns, axis=1)
 
 
@@ -199,18 +218,19 @@ def _admission_order(a: jax.Array, candidate: jax.Array) -> tuple[jax.Array, jax
   return sorted_a, rank.reshape(gamma, batch).T, count
 
 
-def _throughput_path(sorted_a: jax.Array, count: jax.Array, n_active: jax.Array,
-                     sps: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _throughput_path(sorted_a: jax.Array, count: jax.Array, n_active: jax.Array, sps: jax.Array,
+                     limit: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Θ_k = τ_k·sps[A + k] for k = 0..B·γ along the admission order, and which k may be made.
 
   Returns:
-    (theta [B·γ + 1] float32, possible [B·γ + 1] bool); k = 0 (no admission) is always possible.
+    (theta [B·γ + 1] float32, possible [B·γ + 1] bool); k = 0 (no admission) is always possible,
+    k ≥ 1 when there are k candidates and A + k < `limit` (the table's length).
   """
   steps = jnp.arange(sorted_a.shape[0] + 1, dtype=jnp.int32)
   tau = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))
   tokens = n_active + steps
   theta = tau * sps[jnp.clip(tokens, 0, sps.shape[0] - 1)]
-  possible = (steps <= count) & (tokens < sps.shape[0])
+  possible = (steps <= count) & (tokens < limit)
   return theta, possible | (steps == 0)
 
 
@@ -261,6 +281,40 @@ def threshold(t: float) -> Schedule:
   return Schedule(_empty_init, update)
 
 
+@jax.jit
+def _prefix_lens(c: jax.Array, active: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Array:
+  """Algorithm 1 on checked inputs and a `_fit_table` table."""
+  a = survivals(c)
+  candidate = active[:, None] & (a > 0)
+  sorted_a, rank, count = _admission_order(a, candidate)
+  n_active = jnp.sum(active, dtype=jnp.int32)
+  theta, possible = _throughput_path(sorted_a, count, n_active, table, limit)
+  better = possible[1:] & (theta[1:] > theta[:-1])
+  made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
+  return _lengths(candidate & (rank < made), active)
+
+
+@jax.jit
+def _top_k_lens(c: jax.Array, active: jax.Array, history: jax.Array, table: jax.Array,
+                limit: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The lagged top-K on checked inputs and a `_fit_table` table; the lag is ``history.shape[0]``."""
+  lag = history.shape[0]
+  a = survivals(c)
+  n_active = jnp.sum(active, dtype=jnp.int32)
+  past = history[0] if lag else a
+  past_candidate = active[:, None] & (past > 0)
+  past_sorted, _, past_count = _admission_order(past, past_candidate)
+  theta, possible = _throughput_path(past_sorted, past_count, n_active, table, limit)
+  budget = jnp.argmax(jnp.where(possible, theta, -jnp.inf)).astype(jnp.int32)
+  candidate = active[:, None] & (a > 0)
+  _, rank, _ = _admission_order(a, candidate)
+  lens = _lengths(candidate & (rank < budget), active)
+  if lag:
+    recorded = jnp.where(active[:, None], a, jnp.float32(1))
+    history = jnp.concatenate([history[1:], recorded[None]], axis=0)
+  return lens, history
+
+
 def prefix(sps) -> Schedule:
   """Algorithm 1 (the hardware-aware prefix scheduler), with its early stop.
 
@@ -277,14 +331,7 @@ def prefix(sps) -> Schedule:
   def update(confidence, active, state):
     _check_empty_state(state)
     c, active = _check_update(confidence, active)
-    a = survivals(c)
-    candidate = active[:, None] & (a > 0)
-    sorted_a, rank, count = _admission_order(a, candidate)
-    n_active = jnp.sum(active, dtype=jnp.int32)
-    theta, possible = _throughput_path(sorted_a, count, n_active, table)
-    better = possible[1:] & (theta[1:] > theta[:-1])
-    made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
-    return _lengths(candidate & (rank < made), active), state
+    return _prefix_lens(c, active, *_fit_table(table, *c.shape)), state
 
   return Schedule(_empty_init, update)
 
@@ -321,21 +368,9 @@ def top_k(sps, lag: int = 2) -> Schedule:
     if np.shape(state.history) != (lag, batch, gamma):
       raise ValueError(f"state: history has shape {np.shape(state.history)}; this update needs "
                        f"({lag}, {batch}, {gamma}) (lag, B, γ)")
-    a = survivals(c)
-    n_active = jnp.sum(active, dtype=jnp.int32)
-    past = state.history[0] if lag else a
-    past_candidate = active[:, None] & (past > 0)
-    past_sorted, _, past_count = _admission_order(past, past_candidate)
-    theta, possible = _throughput_path(past_sorted, past_count, n_active, table)
-    budget = jnp.argmax(jnp.where(possible, theta, -jnp.inf)).astype(jnp.int32)
-    candidate = active[:, None] & (a > 0)
-    _, rank, _ = _admission_order(a, candidate)
-    lens = _lengths(candidate & (rank < budget), active)
-    if lag:
-      recorded = jnp.where(active[:, None], a, jnp.float32(1))
-      state = TopKState(history=jnp.concatenate(
-          [state.history[1:].astype(jnp.float32), recorded[None]], axis=0))
-    return lens, state
+    lens, history = _top_k_lens(c, active, jnp.asarray(state.history, jnp.float32),
+                                *_fit_table(table, batch, gamma))
+    return lens, TopKState(history=history)
 
   return Schedule(init, update)
 
