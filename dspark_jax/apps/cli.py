@@ -257,6 +257,14 @@ def _load(args, command: str, *, need_draft: bool):
 
   import dspark_jax
 
+  tokenizer_flag = "--tokenizer" if args.tokenizer is not None else "--target"
+  try:  # the tokenizer first: its errors come before the weights are read
+    tokenizer = load_tokenizer(args.tokenizer or args.target)
+  except ValueError as error:
+    _fail(command, tokenizer_flag, str(error))
+  if args.chat and tokenizer.chat_template is None:
+    _fail(command, "--chat", f"the tokenizer of {args.tokenizer or args.target} has no chat "
+                             "template")
   try:
     target, draft = dspark_jax.load_pretrained(
         args.target, args.draft, dtype=None if args.dtype is None else jnp.dtype(args.dtype))
@@ -264,14 +272,6 @@ def _load(args, command: str, *, need_draft: bool):
     draft_error = args.draft is not None and (args.draft in str(error)
                                               or os.path.abspath(args.draft) in str(error))
     _fail(command, "--draft" if draft_error else "--target", str(error))
-  tokenizer_flag = "--tokenizer" if args.tokenizer is not None else "--target"
-  try:
-    tokenizer = load_tokenizer(args.tokenizer or args.target)
-  except ValueError as error:
-    _fail(command, tokenizer_flag, str(error))
-  if args.chat and tokenizer.chat_template is None:
-    _fail(command, "--chat", f"the tokenizer of {args.tokenizer or args.target} has no chat "
-                             "template")
   return target, draft, tokenizer, f"{args.target} + {args.draft or 'no drafter'}"
 
 
