@@ -10,9 +10,10 @@ if os.environ.get("DSPARK_TEST_GPU") != "1":
 else:  # pytest's workers (pytest-xdist) share the GPU: none may take most of its memory up front
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The backend a test asks for, not one forced from the environment (tests that need the variable
-# set it themselves); likewise the memory gate's mode.
+# set it themselves); likewise the memory gate's mode and the attention implementation.
 os.environ.pop("DSPARK_JAX_BACKEND", None)
 os.environ.pop("DSPARK_JAX_FOLDED_SAMPLING", None)
+os.environ.pop("DSPARK_JAX_ATTENTION", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""GPU kernels for the folded draft block, and the one place that decides which backend runs.
+"""GPU kernels for the folded draft block and the models' attention, and the decisions which run.
 
 * `dispatch`: the backend decision (XLA, the Triton chain, the Hopper kernels) as a table with each
   kernel's preconditions, typed configs, ``$DSPARK_JAX_BACKEND``.
@@ -6,5 +6,7 @@
   step kernels), given a dispatch decision.
 * `triton_step`: one Pallas (Triton) kernel per draft step: corrected logits and per-tile statistics.
 * `token_kernels`: the per-row kernels of the chain: token choice, in-tile draws, the block's noise.
+* `attention`: the models' attention: XLA einsums, or cuDNN's fused attention on GPUs
+  (``$DSPARK_JAX_ATTENTION``).
 * `hopper_step`: the draft steps as Mosaic GPU kernels for Hopper GPUs (TMA, WGMMA).
 """

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax import validation
+from dspark_jax.kernels import attention
 
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -228,18 +229,11 @@ class Attention(nnx.Module):
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.
 
-    Softmax in float32. A query whose mask is all False gets zeros (never NaN).
+    Softmax in float32; cuDNN's fused form on GPUs where it applies (`kernels.attention`). A query
+    whose mask is all False gets zeros (never NaN).
     """
     b, t, n, d = q.shape
-    groups = n // k.shape[2]
-    q = q.reshape(b, t, k.shape[2], groups, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
-    weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
-    return self.o_proj(out.reshape(b, t, n * d))
+    return self.o_proj(attention.attend(q, k, v, mask).reshape(b, t, n * d))
 
 
 class MLP(nnx.Module):

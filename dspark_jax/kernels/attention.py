@@ -1,0 +1,98 @@
+"""Which implementation computes the models' attention, and the two implementations.
+
+This module owns the attention of the target and the draft layers (`models.layers.Attention`):
+
+* ``xla``: two einsums with the scores and the softmax in float32, written here; runs everywhere.
+* ``cudnn``: `jax.nn.dot_product_attention` with ``implementation="cudnn"`` (cuDNN's fused flash
+  attention: no [B, heads, T, S] score tensor in memory, keys read in place from the [B, S, K, D]
+  cache). Same math; the probabilities are rounded to the value dtype before the second product, as
+  in the ``xla`` form.
+
+`choose` decides from the platform, dtype and head size; ``auto`` (the default) takes ``cudnn``
+wherever its preconditions hold, else ``xla``. ``DSPARK_JAX_ATTENTION=auto|xla|cudnn`` overrides
+``auto``; an explicit ``cudnn`` whose precondition fails raises a `ValueError` naming it. The choice
+is made when a model is traced (shapes and dtypes are static), so it costs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+ENV_VAR = "DSPARK_JAX_ATTENTION"
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _platform() -> str:
+  return jax.default_backend()
+
+
+def cudnn_precondition(dtype, head_dim: int, platform: str | None = None) -> str | None:
+  """The first failed precondition of the cuDNN form, or None when it may run."""
+  platform = platform or _platform()
+  if platform != "gpu":
+    return f"platform is {platform!r}, not 'gpu'"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
+    return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+  if head_dim % 8 or head_dim > 128:
+    return f"head_dim {head_dim} is not a multiple of 8 in 8..128"
+  return None
+
+
+def choose(dtype, head_dim: int, implementation: str | None = None,
+           platform: str | None = None) -> str:
+  """``"cudnn"`` or ``"xla"`` for queries of `dtype` and `head_dim`.
+
+  Args:
+    dtype: the dtype of queries, keys and values. head_dim: D.
+    implementation: "auto", "xla" or "cudnn"; None reads ``$DSPARK_JAX_ATTENTION`` (default auto).
+    platform: the JAX platform (default: the default backend's).
+
+  Raises:
+    ValueError: an unknown implementation, or "cudnn" where its precondition fails.
+  """
+  requested = implementation or os.environ.get(ENV_VAR, "auto") or "auto"
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation: expected one of {IMPLEMENTATIONS}, got "
+                     f"{requested!r} (from {'the argument' if implementation else ENV_VAR})")
+  failed = cudnn_precondition(dtype, head_dim, platform)
+  if requested == "cudnn" and failed:
+    raise ValueError(f"attention implementation 'cudnn': precondition failed: {failed}")
+  if requested == "xla" or failed:
+    return "xla"
+  return "cudnn"
+
+
+def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """[B, T, N, D] queries over [B, S, K, D] keys/values, `mask` [B, T, S] bool -> [B, T, N, D].
+
+  Scores and softmax in float32; a query whose mask is all False gets zeros (never NaN).
+  """
+  b, t, n, d = q.shape
+  groups = n // k.shape[2]
+  q = q.reshape(b, t, k.shape[2], groups, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(d))
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
+  weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+  return out.reshape(b, t, n, d)
+
+
+def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """As `attend_xla`, through cuDNN's fused attention (`cudnn_precondition` must hold)."""
+  out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
+                                     mask=mask[:, None, :, :], implementation="cudnn")
+  return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           implementation: str | None = None) -> jax.Array:
+  """Grouped-query attention by the implementation `choose` picks for these inputs."""
+  if choose(q.dtype, q.shape[-1], implementation) == "cudnn":
+    return attend_cudnn(q, k, v, mask)
+  return attend_xla(q, k, v, mask)

@@ -1,0 +1,60 @@
+"""The attention decision (`kernels.attention`): preconditions, the override, and the XLA form."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.kernels import attention
+
+
+def test_choose_falls_back_to_xla_off_the_gpu_and_for_float32():
+  assert attention.choose(jnp.bfloat16, 128, "auto", platform="cpu") == "xla"
+  assert attention.choose(jnp.float32, 128, "auto", platform="gpu") == "xla"
+  assert attention.choose(jnp.bfloat16, 256, "auto", platform="gpu") == "xla"
+  assert attention.choose(jnp.bfloat16, 128, "auto", platform="gpu") == "cudnn"
+  assert attention.choose(jnp.bfloat16, 128, "xla", platform="gpu") == "xla"
+
+
+def test_explicit_cudnn_names_the_failed_precondition(monkeypatch):
+  with pytest.raises(ValueError, match="'cudnn': precondition failed: platform is 'cpu'"):
+    attention.choose(jnp.bfloat16, 128, "cudnn", platform="cpu")
+  monkeypatch.setenv(attention.ENV_VAR, "flash")
+  with pytest.raises(ValueError, match="DSPARK_JAX_ATTENTION"):
+    attention.choose(jnp.bfloat16, 128)
+
+
+def test_xla_form_matches_a_float64_reference_and_zeroes_empty_rows():
+  rng = np.random.default_rng(0)
+  b, t, s, n, k, d = 2, 3, 5, 4, 2, 8
+  q, keys, values = (rng.normal(size=shape).astype(np.float32)
+                     for shape in ((b, t, n, d), (b, s, k, d), (b, s, k, d)))
+  mask = rng.random((b, t, s)) < 0.6
+  mask[1, 2] = False
+  out = np.asarray(attention.attend_xla(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
+                                        jnp.asarray(mask)))
+  ref = np.zeros((b, t, n, d))
+  for bi in range(b):
+    for ti in range(t):
+      for h in range(n):
+        kv = h // (n // k)
+        sc = keys[bi, :, kv].astype(np.float64) @ q[bi, ti, h] / np.sqrt(d)
+        if mask[bi, ti].any():
+          w = np.where(mask[bi, ti], np.exp(sc - sc[mask[bi, ti]].max()), 0.0)
+          ref[bi, ti, h] = (w / w.sum()) @ values[bi, :, kv]
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)  # float32 rounding of 5-term sums
+  assert np.all(out[1, 2] == 0)
+
+
+@pytest.mark.gpu
+def test_cudnn_form_matches_xla_form_on_the_gpu():
+  rng = np.random.default_rng(1)
+  b, t, s, n, k, d = 4, 8, 256, 8, 2, 128
+  q, keys, values = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+                     for shape in ((b, t, n, d), (b, s, k, d), (b, s, k, d)))
+  pos = jnp.asarray(rng.integers(t, s - t, b))[:, None] + jnp.arange(t)[None]
+  mask = jnp.arange(s)[None, None] <= pos[:, :, None]
+  ref = np.asarray(attention.attend_xla(q, keys, values, mask), np.float32)
+  out = np.asarray(attention.attend_cudnn(q, keys, values, mask), np.float32)
+  # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative) of each other.
+  np.testing.assert_allclose(out, ref, atol=4 * 2.0**-8 * np.abs(ref).max())
