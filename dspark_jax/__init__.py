@@ -24,6 +24,11 @@ Public API (each name documented in its module):
   `threshold`, `prefix` (Algorithm 1), `top_k` (lagged budget); `load_sps`, `save_sps`.
 * `calibration` (scheduling.calibration): Sequential Temperature Scaling `fit_sts`; `ece`,
   `reliability`, `auc` of the cumulative survival.
+* `Tokenizer`, `load_tokenizer` (text.tokenizer): a model directory's tokenizer with its special
+  tokens, stop ids and chat template; `generate_text`, `TextResult` (text.generation): text in, text
+  out, with stop strings.
+* `load_shipped`, `load_shipped_tokenizer` (models.shipped): the trained pair shipped in
+  ``dspark_jax/assets`` and its tokenizer.
 * `dspark_jax.testing`: exact reference laws, chi-square, and a toy pair for distribution checks.
 """
 
@@ -37,11 +42,13 @@ from dspark_jax.draft.proposer import DraftSampler, build_draft_sampler
 from dspark_jax.formats.pretrained import load_pretrained, save_pretrained
 from dspark_jax.models.draft import DraftConfig, DSparkDraft
 from dspark_jax.models.layers import LayerShape
+from dspark_jax.models.shipped import load_shipped, load_shipped_tokenizer
 from dspark_jax.models.target import TargetConfig, TargetModel, logits
 from dspark_jax.sampling.params import SamplingParams
 from dspark_jax.sampling.sampler import Stream, row_keys, sample_step
 from dspark_jax.sampling.target_law import sample_target, target_log_probs
 from dspark_jax.scheduling import calibration, schedules
+from dspark_jax.text import TextResult, Tokenizer, generate_text, load_tokenizer
 from dspark_jax.verification import AcceptResult, verify
 
 __version__ = "0.1.0"
@@ -53,5 +60,6 @@ __all__ = [
     "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
     "TargetModel", "verify", "calibration", "schedules", "load_pretrained", "save_pretrained",
-    "draft_proposal",
+    "draft_proposal", "generate_text", "load_shipped", "load_shipped_tokenizer", "load_tokenizer",
+    "TextResult", "Tokenizer",
 ]
