@@ -157,6 +157,8 @@ def test_bad_flags_and_files_are_named(config_dirs, tmp_path, capsys):
       ["generate", "--prompt", "x", "--top-p", "0"], capsys)
   assert "argument --stop: must not be empty" in _error(
       ["generate", "--prompt", "x", "--stop", ""], capsys)
+  assert "argument --chat: the shipped tokenizer has no chat template" in _error(
+      ["generate", "--prompt", "x", "--chat"], capsys)
   assert "argument --chat-kwargs: expected a JSON object" in _error(
       ["generate", "--prompt", "x", "--chat-kwargs", "[1]"], capsys)
   assert "argument --draft: required with --target" in _error(

@@ -337,6 +337,10 @@ def test_generate_text_refuses_bad_arguments():
     call(chat=True)
   with pytest.raises(ValueError, match=r"prompts: entry 0 encodes to no tokens"):
     call(prompts=[""])
+  with pytest.raises(ValueError, match=r"stop_token_ids: generate_text takes integer ids shared"):
+    call(stop_token_ids=[[1], [2]])
+  with pytest.raises(ValueError, match=r"stop_token_ids: generate_text takes integer ids shared"):
+    call(stop_token_ids=[1.5])
   with pytest.raises(ValueError, match=r"stop_sequences: pass stop strings as stop="):
     call(stop_sequences=[[1]])
   with pytest.raises(ValueError, match=r"tokenizer: expected a dspark_jax Tokenizer"):

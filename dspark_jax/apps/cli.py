@@ -245,6 +245,9 @@ def _load(args, command: str, *, need_draft: bool):
     for flag in ("draft", "tokenizer", "dtype"):
       if getattr(args, flag) is not None:
         _fail(command, f"--{flag}", "needs --target (without it the shipped pair runs)")
+    if args.chat:
+      _fail(command, "--chat", "the shipped tokenizer has no chat template (its models continue "
+                               "Python code)")
     pair = shipped.load_shipped()
     return pair.target, pair.draft, pair.tokenizer, "shipped pair"
   if need_draft and args.draft is None:

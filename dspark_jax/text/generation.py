@@ -219,8 +219,11 @@ def generate_text(target, draft, tokenizer: Tokenizer, prompts, params, key, *,
                               add_special_tokens=add_special_tokens)
   batch = len(prompt_ids)
   stops = _stop_lists(stop, batch)
-  extra = generate_kwargs.pop("stop_token_ids", ())
-  extra = [extra] if isinstance(extra, (int, np.integer)) else list(np.asarray(extra).ravel())
+  extra = np.asarray(generate_kwargs.pop("stop_token_ids", ()))
+  if extra.ndim > 1 or (extra.size and extra.dtype.kind not in "iu"):
+    raise ValueError(f"stop_token_ids: generate_text takes integer ids shared by every prompt, "
+                     f"got {extra.dtype} of shape {extra.shape}")
+  extra = extra.reshape(-1).tolist()
   stop_ids = list(dict.fromkeys([int(i) for i in extra] +
                                 [i for i in tokenizer.stop_token_ids if i < vocab]))
   if any(stops):

@@ -9,8 +9,8 @@ This module owns reading a tokenizer directory and the text-level contracts of t
   ``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``, ``mask_token``, as strings or
   ``AddedToken`` objects, and any other ``*_token`` string), ``extra_special_tokens`` /
   ``additional_special_tokens``, ``added_tokens_decoder`` (id -> token and its flags),
-  ``chat_template`` (a string, or a list of ``{name, template}``) and
-  ``clean_up_tokenization_spaces``. A ``chat_template.jinja`` file and
+  ``chat_template`` (a string, or a list of ``{name, template}``), ``clean_up_tokenization_spaces``
+  and ``split_special_tokens``. A ``chat_template.jinja`` file and
   ``additional_chat_templates/*.jinja`` take priority over the config's template, as in
   transformers.
 * ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (an int or a list).
@@ -38,6 +38,7 @@ The shipped pair's tokenizer (`dspark_jax.models.shipped`) is a `Tokenizer` buil
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -106,7 +107,7 @@ class Tokenizer:
                chat_template: str | Mapping[str, str] | None = None,
                eos_token_ids: Sequence[int] | None = None,
                extra_stop_token_ids: Sequence[int] = (),
-               clean_up_tokenization_spaces: bool = False):
+               clean_up_tokenization_spaces: bool = False, split_special_tokens: bool = False):
     """Wraps `backend` (copied first).
 
     Args:
@@ -119,6 +120,7 @@ class Tokenizer:
       eos_token_ids: the model's declared end ids (None: the ``eos_token``'s id).
       extra_stop_token_ids: further ids to stop on (joined into `stop_token_ids`).
       clean_up_tokenization_spaces: as transformers' flag of that name.
+      split_special_tokens: encode special tokens' text as ordinary text (transformers' flag).
 
     Raises:
       ValueError: a declared token whose id disagrees with ``tokenizer.json``, or an eos token or id
@@ -131,6 +133,7 @@ class Tokenizer:
       raise ValueError(f"backend: expected a tokenizers.Tokenizer, got {type(backend).__name__}")
     self.backend = Backend.from_str(backend.to_str())
     self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
+    self.backend.encode_special_tokens = bool(split_special_tokens)
     names: dict[str, str] = {}
     to_add: list[dict] = []
     for key, value in (special_tokens or {}).items():
@@ -238,7 +241,7 @@ class Tokenizer:
                                                    *self.extra_special_tokens)]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
-  @property
+  @functools.cached_property
   def is_byte_level(self) -> bool:
     """Whether the decoder is byte-level (GPT-2 style: a leading space is part of the next token)."""
     decoder = json.loads(self.backend.to_str()).get("decoder") or {}
@@ -501,6 +504,7 @@ def load_tokenizer(directory: str) -> Tokenizer:
                      chat_template=templates or None, eos_token_ids=eos,
                      extra_stop_token_ids=[i for ids in declared for i in ids],
                      clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces",
-                                                                  False)))
+                                                                  False)),
+                     split_special_tokens=bool(config.get("split_special_tokens", False)))
   except ValueError as error:
     raise ValueError(f"{directory}: {error}") from None
