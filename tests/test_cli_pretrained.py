@@ -159,6 +159,8 @@ def test_bad_flags_and_files_are_named(config_dirs, tmp_path, capsys):
       ["generate", "--prompt", "x", "--stop", ""], capsys)
   assert "argument --chat: the shipped tokenizer has no chat template" in _error(
       ["generate", "--prompt", "x", "--chat"], capsys)
+  assert "argument --chat-kwargs: needs --chat" in _error(
+      ["generate", "--prompt", "x", "--chat-kwargs", "{}"], capsys)
   assert "argument --chat-kwargs: expected a JSON object" in _error(
       ["generate", "--prompt", "x", "--chat-kwargs", "[1]"], capsys)
   assert "argument --draft: required with --target" in _error(

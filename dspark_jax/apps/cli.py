@@ -241,6 +241,8 @@ def _load(args, command: str, *, need_draft: bool):
   from dspark_jax.models import shipped
   from dspark_jax.text import load_tokenizer
 
+  if args.chat_kwargs is not None and not args.chat:
+    _fail(command, "--chat-kwargs", "needs --chat")
   if args.target is None:
     for flag in ("draft", "tokenizer", "dtype"):
       if getattr(args, flag) is not None:
@@ -293,6 +295,8 @@ def generate(args) -> int:
     head = [] if args.system is None else [{"role": "system", "content": args.system}]
     prompts = [head + [{"role": "user", "content": p}] for p in prompts]
   batch = len(prompts)
+  if args.seed + batch > 2**32:
+    _fail("generate", "--seed", f"prompt i takes seed {args.seed} + i, past 2**32 - 1")
   params = sp.SamplingParams(temperature=np.full(batch, args.temperature),
                              top_p=np.full(batch, args.top_p), top_k=np.full(batch, args.top_k),
                              seed=np.arange(batch) + args.seed)
