@@ -1,10 +1,12 @@
 """`draft_proposal`: the block a draft proposes after given tokens, exactly as inside `generate`.
 
-This module owns one researcher-facing function. For tokens ``[B, n]`` it runs generate's own
-pieces (`dspark_jax.decoding.rounds`) in one compiled program:
+This module owns one researcher-facing function. For tokens ``[B, n]`` it runs generate's pieces
+(`dspark_jax.decoding.rounds`) in one compiled program:
 
-* the prefill (`rounds._prefill`) over ``tokens[:, :n-1]``: the target's features of positions
-  0 .. n-2 fill the draft's context cache;
+* the context half of generate's prefill over ``tokens[:, :n-1]``, by the same calls (the target
+  on a fresh cache, then `DSparkDraft.extend_context`): the target's features of positions
+  0 .. n-2 fill the draft's context cache (the prefill's first-token sampling is left out: here the
+  token is given, and compiling the target's top-k/top-p sampler would triple the compile time);
 * the anchor ``tokens[:, n-1]`` at position n-1 (where generate puts its first sampled token);
 * the draft forward (`rounds._draft_forward`): the block ``[anchor, mask × (γ-1)]`` at positions
   n-1 .. n+γ-2, attending to the whole context and bidirectionally to itself;
@@ -41,12 +43,10 @@ def _program(target_state, draft_state, tokens, rows, key, *, target_def, draft_
   target = nnx.merge(target_def, target_state)
   draft = nnx.merge(draft_def, draft_state)
   batch, n = tokens.shape
-  context_lens = jnp.full((batch,), n - 1, jnp.int32)
-  no_stops = jnp.full((batch, 0), -1, jnp.int32)
-  state = rounds._prefill(target, draft, tokens[:, :n - 1], context_lens,
-                            jnp.ones((batch,), jnp.int32), rows, no_stops, key, n, 1)
-  # generate samples this token from the target; here it is given.
-  state = dict(state, anchor=tokens[:, n - 1], anchor_pos=context_lens)
+  positions = jnp.broadcast_to(jnp.arange(n - 1, dtype=jnp.int32), (batch, n - 1))
+  _, features, _ = target(tokens[:, :n - 1], positions, tm.init_cache(target.config, batch, n))
+  state = {"context": draft.extend_context(features, positions, draft.init_context(batch, n)),
+           "anchor": tokens[:, n - 1], "anchor_pos": jnp.full((batch,), n - 1, jnp.int32)}
   base, hidden = rounds._draft_forward(target, draft, state)
   head = pallas_block.head_arrays_for(draft.head.arrays(), [backend])
   head, conf, hidden = rounds._draft_inputs(draft, hidden, head)

@@ -126,7 +126,8 @@ def check_target_layer_ids(layer_ids: Any, num_target_layers: int) -> tuple[int,
 
 
 def confidence_temperatures_from_deepspec(hf: Mapping[str, Any]) -> np.ndarray | None:
-  """The optional ``confidence_temperatures`` [γ] float32, or None (ValueError naming the field)."""
+  """The optional ``confidence_temperatures`` [γ] float32, or None (a bad one: ValueError naming
+  the field)."""
   temps = hf.get("confidence_temperatures")
   if temps is None:
     return None
@@ -138,7 +139,8 @@ def confidence_temperatures_from_deepspec(hf: Mapping[str, Any]) -> np.ndarray |
                      f"numbers, got {temps!r}")
   for i, t in enumerate(temps):
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-      raise ValueError(f"config: confidence_temperatures[{i}] is {t!r}; must be a finite number > 0")
+      raise ValueError(f"config: confidence_temperatures[{i}] is {t!r}; must be a finite number "
+                       "> 0")
   return np.asarray(temps, np.float32)
 
 
@@ -327,8 +329,9 @@ def draft_from_deepspec_tensors(config: dm.DraftConfig, target: tm.TargetModel,
   if unexpected:
     raise ValueError(f"{what}: unexpected tensor {unexpected[0]!r}")
   _check_shared(tensors, target, config.dtype, what)
-  abstract = nnx.eval_shape(lambda: dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(0)))
-  shapes = {k: v.shape for k, v in checkpoints.named_arrays(nnx.state(abstract, nnx.Param)).items()}
+  draft = nnx.eval_shape(lambda: dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(0)))
+  params = nnx.state(draft, nnx.Param)
+  shapes = {k: v.shape for k, v in checkpoints.named_arrays(params).items()}
   arrays = {k: np.zeros(shapes[k], np.float32) for k in ("head.w1", "head.w2")
             if config.head_kind == "none"}
   for path, (name, storage) in names.items():
@@ -342,7 +345,7 @@ def draft_from_deepspec_tensors(config: dm.DraftConfig, target: tm.TargetModel,
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise ValueError(f"{what}: tensor {name!r} has dtype {value.dtype}, expected floating point")
     arrays[path] = _to_ours(np.asarray(value), storage)
-  draft = checkpoints.draft_from_arrays(config, target.config, arrays)
+  nnx.update(draft, checkpoints.replace_named(params, arrays, what=what))
   if temperatures is not None:
     conf = draft.confidence.arrays()
     conf["temperatures"] = jnp.asarray(temperatures, conf["w"].dtype)

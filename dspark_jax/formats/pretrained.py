@@ -1,4 +1,5 @@
-"""`load_pretrained` / `save_pretrained`: a Hugging Face Qwen3 target and a DeepSpec draft, by directory.
+"""`load_pretrained` / `save_pretrained`: a Hugging Face Qwen3 target and a DeepSpec draft, by
+directory.
 
 This module owns the two entry points that pair the formats:
 
@@ -48,6 +49,7 @@ def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None
     return qwen3.load_qwen3(target_dir, dtype=dtype), None
   hf_target = qwen3.read_config(os.fspath(target_dir))
   hf_draft = deepspec.read_draft_config(os.fspath(draft_dir))
+  deepspec.draft_config_from_deepspec(hf_draft, dtype=dtype)  # its own fields, before any weights
   layers = hf_target.get("num_hidden_layers")
   if isinstance(layers, int) and not isinstance(layers, bool):
     if deepspec._int(hf_draft, "num_target_layers", low=1) != layers:
