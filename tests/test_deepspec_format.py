@@ -11,6 +11,7 @@ different order; observed below 4 ulps), confidences (sigmoids) to 64 ulps of 1.
 exactly: the generator checked that no recorded greedy choice is within 1e-3 of a tie.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dspark_jax as dj
 from dspark_jax.draft import heads
@@ -225,12 +227,16 @@ def test_speculative_greedy_generate_equals_transformers_and_deepspec(name):
   np.testing.assert_array_equal(out.accepted, (accepted[:, None] >= k + 1).sum(0))
 
 
-def test_rank0_head_adds_nothing_folded_and_eager():
+@pytest.mark.slow
+def test_rank0_head_adds_nothing_folded_eager_and_in_the_sampler():
   head = heads.markov_head_from_arrays("none", {"w1": np.zeros((16, 0)), "w2": np.zeros((0, 16))})
   assert (head.rank, head.vocab_size, head.needs_hidden, head.hidden_size) == (0, 16, False, None)
   base = jax.random.normal(jax.random.key(1), (2, 3, 16), jnp.bfloat16)
   params = dj.SamplingParams(temperature=[0.0, 0.7], seed=[1, 2])
-  for run in (dj.sample_block, dj.sample_block_eager):
+  sampler = dj.build_draft_sampler(head, max_batch_size=2, vocab_size=16, gamma=3,
+                                   mode="force")
+  propose = lambda _, *args: sampler.propose(*args)  # noqa: E731 (the head is the sampler's)
+  for run in (dj.sample_block, dj.sample_block_eager, propose):
     block = run(head, base, jnp.array([3, 4]), None, params, jax.random.key(0), jnp.array([5, 9]))
     np.testing.assert_array_equal(np.asarray(block.corrected_logits), np.asarray(base))
     np.testing.assert_array_equal(np.asarray(block.tokens)[0], np.argmax(base[0], -1))
@@ -373,6 +379,18 @@ def test_save_pretrained_and_draft_proposal_refusals(tmp_path):
   other, _ = load("vanilla")
   with pytest.raises(ValueError, match="target_layer_ids"):
     dj.draft_proposal(other, draft, [[5, 6]], GREEDY, key)
+
+
+def test_a_draft_reading_the_final_target_layer_is_not_saved(tmp_path):
+  # Our target's features are raw layer outputs, so a draft may read the final layer (the shipped
+  # draft reads layer 7 of 8); DeepSpec reads that layer from Hugging Face's hidden states after
+  # the final norm, so the format cannot express it. (Abstract models: the check comes first.)
+  config = dataclasses.replace(load("vanilla")[0].config, feature_layers=(0, 2))
+  target = nnx.eval_shape(lambda: dj.TargetModel(config, rngs=nnx.Rngs(0)))
+  draft = nnx.eval_shape(lambda: dj.DSparkDraft(
+      dm.DraftConfig(target_layer_ids=(0, 2), mask_token_id=95), config, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"target_layer_ids\[1\] is 2, the target's final layer"):
+    dj.save_pretrained(draft, str(tmp_path), target=target)
 
 
 def test_rank0_configs_and_heads_are_checked():

@@ -253,7 +253,7 @@ def _infer_hidden_size(head, confidence_head, hidden_size):
       raise ValueError(f"hidden_size: {hidden_size} does not match the head's H={head.hidden_size}")
     return head.hidden_size
   if confidence_head is not None and hidden_size is None:
-    raise ValueError("hidden_size: required with a vanilla head and a confidence head "
+    raise ValueError(f"hidden_size: required with a {head.kind!r} head and a confidence head "
                      "(the confidence weight alone cannot tell H from H+r)")
   return hidden_size
 

@@ -419,6 +419,10 @@ def save_deepspec_draft(draft: dm.DSparkDraft, directory: str, target: tm.Target
 
   Returns:
     The names of the files written.
+
+  Raises:
+    ValueError: not a draft and its target, or a draft that reads the target's final layer
+      (``target_layer_ids``: DeepSpec would read that layer after the final norm).
   """
   if not isinstance(draft, dm.DSparkDraft):
     raise ValueError(f"draft: expected a DSparkDraft, got {type(draft).__name__}")
@@ -426,6 +430,10 @@ def save_deepspec_draft(draft: dm.DSparkDraft, directory: str, target: tm.Target
     raise ValueError(f"target: expected the TargetModel the draft shares its embedding and LM head "
                      f"with, got {type(target).__name__}")
   draft.config.check_against(target.config)
+  # DeepSpec reads the features of target_layer_ids from Hugging Face's hidden states, where the
+  # final layer's is after the final norm: a draft trained on our raw final-layer output has no
+  # faithful DeepSpec form.
+  check_target_layer_ids(list(draft.config.target_layer_ids), target.config.num_layers)
   hf = deepspec_config(draft, target)
   tensors = deepspec_tensors(draft, target)
   directory = os.fspath(directory)
