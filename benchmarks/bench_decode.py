@@ -1,39 +1,64 @@
-"""One speculative decoding round split into its parts, against their memory floors, and `generate`.
+"""One speculative decoding round split into its parts, against their floors, and `generate`.
 
 Shapes (default, GPU): a Qwen3-4B-shaped target (36 layers, hidden 2560, 32 query / 8 KV heads of
 128, SwiGLU 9728, vocab 151936, tied embeddings, random bf16 weights) and a 5-layer DSpark draft of
-the same layer shape (vanilla sequential head, r = 256, confidence head, γ = 7), context 1024
-tokens, B ∈ {1, 16, 64}, a mixed batch (even rows greedy, odd rows T = 0.8; B = 1: one sampled row).
+the same layer shape (vanilla sequential head, r = 256, confidence head, γ = 7), at every context
+of ``--contexts`` (1024, 4096) and batch size of ``--batches`` (1, 16, 64, 128), a mixed batch
+(even rows greedy, odd rows T = 0.8; B = 1: one sampled row).
 
-Per B it times (`benchmarks.harness`: arguments on the device, median of ``--repeats`` samples
-after ``--warmup`` calls), side by side in two groups:
+Per (context, B) it times (`benchmarks.harness`: arguments on the device, median of ``--repeats``
+samples after ``--warmup`` calls) the parts of ``--parts`` (default all):
 
-* parts without a cache write, 5 back-to-back calls per sample: the draft forward
+* parts without a cache write, side by side, 5 back-to-back calls per sample: the draft forward
   (context-attending block pass -> base logits [B, γ, V] and hidden states), block sampling (the
   folded sampling block on ``--backend``), accept/commit (`verification.verify_arrays` and the
   commit bookkeeping);
-* parts that write a cache, each run 10 times inside one compiled ``fori_loop`` with the cache
-  carried (updated in place, as in the decoding loop), time per iteration: the target verify (the
-  target on [anchor, x_1..x_γ] over the KV cache), the context update (the draft's context K/V),
-  the full round (the loop body as one program), and one autoregressive step.
+* parts that write a cache, one after the other, each run 10 times inside one compiled
+  ``fori_loop`` with its caches carried and donated (updated in place, as in the decoding loop),
+  time per iteration: the target verify (the target on [anchor, x_1..x_γ] over the KV cache), the
+  context update (the draft's context K/V), the full round (the loop body as one program), and one
+  autoregressive step. Each part builds its caches in its first call and drops them before the
+  next part starts, so no two target caches are alive at once (B = 128 at context 4096: 78 GB).
 
-Floors (bytes that must be read once, at the floor bandwidth of `harness.floor_bandwidth`): AR step
-and target verify: the target's weights and its KV cache over the context; draft forward: the
-draft's layers, the shared LM head and the draft's context K/V; block sampling:
-``γ·(r·V + 2·B·V)·itemsize``; full round: those three together. Random weights accept almost
-nothing, so speculative tokens/s are given at assumed τ (τ·B / round time) against autoregressive
-(B / step time). Finally, at ``--e2e-batch`` rows, `dspark_jax.generate` end to end (speculative
-and autoregressive, ``--new-tokens`` tokens, second call, prefill subtracted).
+A part that fails (e.g. out of memory) is reported as such and the others still run.
+
+Floors: the larger of a bytes floor (what must be read once, at `harness.floor_bandwidth`) and a
+compute floor (2 FLOPs per parameter per token at this run's bf16 matrix rate,
+`harness.matmul_rate`). Bytes: AR step and target verify: the target's weights and its KV cache
+over the context; draft forward: the draft's layers, the shared LM head and the draft's context
+K/V; block sampling: ``γ·(r·V + 2·B·V)·itemsize``; full round: those three together. Parameters:
+the target's (AR step: B tokens; verify: B·(γ+1)); the draft's layers and the LM head (B·γ
+tokens); W2 for block sampling (B·γ tokens); the full round: the sum of its three parts.
+Attention's own FLOPs over the context are not counted, so the compute floor is a lower bound.
+
+Random weights accept almost nothing, so speculative tokens/s are given at assumed τ (τ·B / round
+time) against autoregressive (B / step time). With ``--e2e-batch N``: `dspark_jax.generate` end to
+end at the first context (speculative and autoregressive, ``--new-tokens`` tokens, second call,
+prefill subtracted). With ``--hf``: Hugging Face transformers' decode step on the same shapes
+(`benchmarks.bench_hf`, run first in a child process so that the two never hold the GPU's memory at
+once), its static-cache time beside our autoregressive step in the final table.
+
+Run as a script, it lets JAX take 92 % of the GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+unless set) instead of JAX's default 75 %: B = 128 at context 4096 needs about 100 GB.
 
   python -m benchmarks.bench_decode --small          # CPU smoke check (tiny models)
-  python -m benchmarks.bench_decode                  # GPU
-  python -m benchmarks.bench_decode --batches 16 --e2e-batch 0 --json out.json
+  python -m benchmarks.bench_decode --hf             # GPU: the default grid, with transformers
+  python -m benchmarks.bench_decode --contexts 1024 --batches 16 --e2e-batch 16 --json out.json
+  python -m benchmarks.bench_decode --parts "autoregressive step,target verify,full round"
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -54,52 +79,88 @@ from dspark_jax.models import target as tm
 TAUS = (1.0, 2.0, 3.64, 6.11)  # 3.64 / 6.11: the paper's MT-Bench / GSM8K τ for Qwen3-4B
 LOOP = 10
 PART_CALLS = 5
+DIRECT = ("draft forward", "block sampling", "accept/commit")
+LOOPED = ("target verify", "context update", "full round", "autoregressive step")
+PARTS = ("autoregressive step", "target verify", "draft forward", "block sampling",
+         "accept/commit", "context update", "full round")
 FLOORED = ("autoregressive step", "target verify", "draft forward", "block sampling", "full round")
+MEM_FRACTION = "0.92"
+
+
+def part_list(text: str) -> list[str]:
+  """argparse type: a comma list of part names (`PARTS`)."""
+  names = [part.strip() for part in text.split(",") if part.strip()]
+  bad = [name for name in names if name not in PARTS]
+  if not names or bad:
+    raise argparse.ArgumentTypeError(f"unknown part {bad[0] if bad else text!r}; parts are "
+                                     f"{', '.join(PARTS)}")
+  return [name for name in PARTS if name in names]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--batches", type=harness.int_list, default=None,
-                      help="comma list of batch sizes (default 1,16,64; --small: 2)")
-  parser.add_argument("--context", type=int, default=None, help="context tokens (default 1024; "
-                      "--small: 32)")
+                      help="comma list of batch sizes (default 1,16,64,128; --small: 2)")
+  parser.add_argument("--contexts", type=harness.int_list, default=None,
+                      help="comma list of context lengths in tokens (default 1024,4096; --small: 32)")
+  parser.add_argument("--context", type=int, default=None, help="one context (= --contexts N)")
+  parser.add_argument("--parts", type=part_list, default=list(PARTS),
+                      help=f"comma list of the parts to time (default all: {', '.join(PARTS)})")
   parser.add_argument("--gamma", type=int, default=7)
-  parser.add_argument("--e2e-batch", type=int, default=None,
-                      help="rows of the end-to-end generate run, 0 to skip (default 16; --small: 2)")
+  parser.add_argument("--e2e-batch", type=int, default=0,
+                      help="rows of an end-to-end generate run at the first context (default 0: "
+                      "skipped)")
   parser.add_argument("--new-tokens", type=int, default=None,
                       help="new tokens per row end to end (default 64; --small: 8)")
+  parser.add_argument("--hf", action="store_true",
+                      help="also time transformers' decode step on the same shapes "
+                      "(benchmarks.bench_hf, in a child process run first)")
   harness.add_common_arguments(parser, repeats=20, warmup=3)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
-  args.batches = args.batches or ([2] if args.small else [1, 16, 64])
-  args.context = args.context or (32 if args.small else 1024)
-  if args.e2e_batch is None:
-    args.e2e_batch = 2 if args.small else 16
+  if args.context is not None and args.contexts is not None:
+    parser.error("--context and --contexts: give one of them")
+  args.batches = args.batches or ([2] if args.small else [1, 16, 64, 128])
+  args.contexts = ([args.context] if args.context is not None
+                   else args.contexts or ([32] if args.small else [1024, 4096]))
+  if min(args.contexts) < 2:
+    parser.error("--contexts: each context must be >= 2 tokens")
+  if args.e2e_batch < 0:
+    parser.error("--e2e-batch must be >= 0")
   args.new_tokens = args.new_tokens or (8 if args.small else 64)
   return args
 
 
-def build_models(small: bool, gamma: int):
+def target_config(small: bool) -> tm.TargetConfig:
+  """The benchmark's target shape: Qwen3-4B, or (`small`) a 2-layer float32 model for CPUs whose
+  draft reads the embedding output and layer 0 (a DeepSpec draft may not read the final layer)."""
   if small:
-    target_config = tm.TargetConfig(
-        vocab_size=512, num_layers=2, feature_layers=(0, 1),
+    return tm.TargetConfig(
+        vocab_size=512, num_layers=2, feature_layers=(-1, 0),
         layer=layers.LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                 intermediate_size=64))
-    draft_layers, rank, dtype = 1, 32, jnp.float32
-  else:
-    target_config = tm.qwen3_4b_shape()
-    draft_layers, rank, dtype = 5, 256, jnp.bfloat16
-  target = tm.TargetModel(target_config, rngs=nnx.Rngs(0))
+  return tm.qwen3_4b_shape()
+
+
+def build_models(small: bool, gamma: int):
+  """A random target (`target_config`) and a DSpark draft of its layer shape: 5 layers, vanilla
+  head r = 256, bf16 (`small`: 1 layer, r = 32, float32)."""
+  config = target_config(small)
+  draft_layers, rank, dtype = (1, 32, jnp.float32) if small else (5, 256, jnp.bfloat16)
+  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
   draft = dm.DSparkDraft(
-      dm.DraftConfig(gamma=gamma, num_layers=draft_layers,
-                     target_layer_ids=target_config.feature_layers,
-                     mask_token_id=target_config.vocab_size - 1, head_kind="vanilla", rank=rank,
+      dm.DraftConfig(gamma=gamma, num_layers=draft_layers, target_layer_ids=config.feature_layers,
+                     mask_token_id=config.vocab_size - 1, head_kind="vanilla", rank=rank,
                      dtype=dtype, param_dtype=dtype),
-      target_config, rngs=nnx.Rngs(1))
+      config, rngs=nnx.Rngs(1))
   return target, draft
 
 
-def floor_bytes(target, draft, batch: int, context: int) -> dict[str, float]:
-  """The bytes each floored part must read at least (module docstring)."""
+def _elements(tree) -> int:
+  return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+
+
+def part_costs(target, draft, batch: int, context: int) -> dict[str, tuple[float, float]]:
+  """``(bytes, FLOPs)`` each floored part needs at least (module docstring)."""
   t_cfg, gamma, vocab = target.config, draft.config.gamma, target.config.vocab_size
   lm_head = target.embed if t_cfg.tie_embeddings else target.lm_head
   target_kv = harness.nbytes(jax.eval_shape(lambda: tm.init_cache(t_cfg, batch, context)))
@@ -107,11 +168,29 @@ def floor_bytes(target, draft, batch: int, context: int) -> dict[str, float]:
   target_bytes = harness.nbytes(nnx.state(target)) + target_kv
   draft_bytes = (harness.nbytes(nnx.state(draft.layers)) + harness.nbytes(nnx.state(lm_head))
                  + draft_kv)
+  # Parameters a token multiplies: an untied embedding is a lookup, the LM head a product.
+  target_params = _elements(nnx.state(target)) - (
+      0 if t_cfg.tie_embeddings else _elements(nnx.state(target.embed)))
+  draft_params = _elements(nnx.state(draft.layers)) + _elements(nnx.state(lm_head))
   w2 = draft.head.arrays()["w2"]
   sampling_bytes = gamma * (w2.size + 2 * batch * vocab) * jnp.dtype(draft.config.dtype).itemsize
-  return {"autoregressive step": target_bytes, "target verify": target_bytes,
-          "draft forward": draft_bytes, "block sampling": sampling_bytes,
-          "full round": target_bytes + draft_bytes + sampling_bytes}
+  costs = {"autoregressive step": (target_bytes, 2 * target_params * batch),
+           "target verify": (target_bytes, 2 * target_params * batch * (gamma + 1)),
+           "draft forward": (draft_bytes, 2 * draft_params * batch * gamma),
+           "block sampling": (sampling_bytes, 2 * w2.size * batch * gamma)}
+  costs["full round"] = tuple(sum(costs[n][i] for n in ("target verify", "draft forward",
+                                                        "block sampling")) for i in (0, 1))
+  return costs
+
+
+def floors(costs: dict, bandwidth: float, rate: float) -> dict[str, dict]:
+  """Per part ``{"bytes_s", "compute_s", "floor_s", "bound": "bytes" | "compute"}``."""
+  out = {}
+  for name, (nbytes, flops) in costs.items():
+    bytes_s, compute_s = nbytes / bandwidth, flops / rate
+    out[name] = {"bytes_s": bytes_s, "compute_s": compute_s, "floor_s": max(bytes_s, compute_s),
+                 "bound": "compute" if compute_s > bytes_s else "bytes"}
+  return out
 
 
 def mixed_rows(batch: int) -> dict:
@@ -119,22 +198,49 @@ def mixed_rows(batch: int) -> dict:
   return harness.on_device(decoding._row_arrays(dj.SamplingParams(temperature=temperature)))
 
 
-def looped(body, weights, carry):
-  """A thunk running ``carry = body(weights, carry)`` LOOP times in one program (carry donated)."""
+def looped(body, weights, make_carry):
+  """A thunk running ``carry = body(weights, carry)`` LOOP times in one program, the carry donated;
+  its first call builds the carry (``make_carry()``), which lives as long as the thunk."""
   run = jax.jit(lambda w, c: jax.lax.fori_loop(0, LOOP, lambda i, c: body(w, c), c),
                 donate_argnums=1)
-  box = [carry]
+  box = [None]
 
   def call():
+    if box[0] is None:
+      box[0] = make_carry()
     box[0] = run(weights, box[0])
     return box[0]
   return call
 
 
-def bench_round(target, draft, batch: int, args) -> tuple[dict, dispatch.Choice]:
-  """Times the parts of one round and the whole round at one batch size; returns seconds per part
-  and the block sampler's backend decision."""
-  gamma, vocab, context = draft.config.gamma, target.config.vocab_size, args.context
+def describe_failure(exc: BaseException) -> str:
+  """One line: "out of memory: ..." for an allocation failure, else the exception."""
+  text = " ".join(str(exc).split())
+  if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+    return "out of memory: " + text[:200]
+  return f"{type(exc).__name__}: {text[:300]}"
+
+
+def attempt(label: str, names, errors: dict, fn):
+  """``fn()``, or None after recording the failure under every name of `names` in `errors`."""
+  try:
+    return fn()
+  except Exception as exc:  # the other parts' numbers still count; the failure is reported
+    reason = describe_failure(exc)
+    if not reason.startswith("out of memory"):
+      traceback.print_exc()
+    print(f"  {label}: {', '.join(names)} not timed: {reason}", flush=True)
+    errors.update({name: reason for name in names})
+    return None
+  finally:
+    gc.collect()
+
+
+def bench_round(target, draft, batch: int, context: int, args) -> tuple[dict, dict, dispatch.Choice]:
+  """Times the parts of ``args.parts`` at one (context, batch); returns seconds per part, the
+  failures ``{part: reason}`` of parts not timed, and the block sampler's backend decision."""
+  gamma, vocab = draft.config.gamma, target.config.vocab_size
+  label = f"context {context}, B={batch}"
   choice = block_lib.choose_backend(
       draft.head.arrays(), jax.ShapeDtypeStruct((batch, gamma, vocab), draft.config.dtype),
       kind=draft.head.kind, greedy_only=False, confidence=draft.confidence is not None,
@@ -156,6 +262,14 @@ def bench_round(target, draft, batch: int, args) -> tuple[dict, dispatch.Choice]
   anchor_pos = jnp.full((batch,), context, jnp.int32)
   stop_ids = jnp.full((batch, 1), -1, jnp.int32)
   max_new = jnp.full((batch,), 10**6, jnp.int32)
+  # The verify's inputs: the anchor and a block of drafts; the context update's: target features.
+  drafts = jnp.asarray(rng.integers(0, vocab - 1, (batch, gamma)), jnp.int32)
+  verify_in = jnp.concatenate([anchor[:, None], drafts], axis=1)
+  positions = anchor_pos[:, None] + jnp.arange(gamma + 1)[None, :]
+  features = jax.random.normal(jax.random.key(2), (
+      batch, gamma + 1, len(target.config.feature_layers) * target.config.hidden_size),
+      target.config.dtype)
+  times, errors = {}, {}
 
   @jax.jit
   def draft_forward(t_state, d_state, anchor, anchor_pos, context_cache):
@@ -177,43 +291,49 @@ def bench_round(target, draft, batch: int, args) -> tuple[dict, dispatch.Choice]
         jnp.full(anchor_pos.shape, gamma + 1, jnp.int32), stop_ids, key, greedy_only=False)
     return layers.write_rows(out, result.committed, count), count + result.num_committed
 
-  start = time.perf_counter()
-  context_cache = draft.init_context(batch, cache_len)
-  base, hidden = draft_forward(t_state, d_state, anchor, anchor_pos, context_cache)
-  tokens, corrected, _ = sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key)
-  verify_in = jnp.concatenate([anchor[:, None], tokens], axis=1)
-  positions = anchor_pos[:, None] + jnp.arange(gamma + 1)[None, :]
-  logits, features, _ = jax.jit(lambda w, c: merge_t(w)(verify_in, positions, c))(
-      t_state, tm.init_cache(target.config, batch, cache_len))
-  out = jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32)
-  count = jnp.zeros((batch,), jnp.int32)
-  jax.block_until_ready(accept(logits, tokens, corrected, rows, anchor_pos, key, out, count))
-  print(f"  B={batch}: block sampling on {harness.describe_choice(choice)}; parts compiled and run "
-        f"in {time.perf_counter() - start:.1f} s", flush=True)
+  def time_direct():
+    """The parts without a cache write, side by side; every buffer dies on return."""
+    start = time.perf_counter()
+    context_cache = draft.init_context(batch, cache_len)
+    base, hidden = draft_forward(t_state, d_state, anchor, anchor_pos, context_cache)
+    tokens, corrected, _ = sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key)
+    logits = jax.random.normal(jax.random.key(3), (batch, gamma + 1, vocab), target.config.dtype)
+    out = jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32)
+    count = jnp.zeros((batch,), jnp.int32)
+    jax.block_until_ready(accept(logits, tokens, corrected, rows, anchor_pos, key, out, count))
+    print(f"  {label}: direct parts compiled and run in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    thunks = {
+        "draft forward": lambda: draft_forward(t_state, d_state, anchor, anchor_pos, context_cache),
+        "block sampling": lambda: sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key),
+        "accept/commit": lambda: accept(logits, tokens, corrected, rows, anchor_pos, key, out, count),
+    }
+    return harness.time_side_by_side({n: thunks[n] for n in DIRECT if n in args.parts},
+                                     repeats=args.repeats, warmup=args.warmup, calls=PART_CALLS)
 
-  times = harness.time_side_by_side({
-      "draft forward": lambda: draft_forward(t_state, d_state, anchor, anchor_pos, context_cache),
-      "block sampling": lambda: sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key),
-      "accept/commit": lambda: accept(logits, tokens, corrected, rows, anchor_pos, key, out, count),
-  }, repeats=args.repeats, warmup=args.warmup, calls=PART_CALLS)
+  direct = [name for name in DIRECT if name in args.parts]
+  if direct:
+    times.update(attempt(label, direct, errors, time_direct) or {})
 
   def verify_body(w, carry):
     cache, acc = carry
     logits, _, cache = merge_t(w)(verify_in, positions, cache)
     return cache, acc + jnp.sum(jnp.argmax(logits, axis=-1))
 
-  def context_body(w, context):
-    return merge_d(w).extend_context(features, positions, context)
+  def context_body(w, context_cache):
+    return merge_d(w).extend_context(features, positions, context_cache)
 
-  # The loop body as one program, and one autoregressive step, on a state like the loop's; the
-  # position and output column are reset each iteration so every iteration does the same work.
-  small = {"anchor": anchor, "anchor_pos": anchor_pos,
-           "out": jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32),
-           "count": jnp.zeros((batch,), jnp.int32), "finished": jnp.zeros((batch,), bool),
-           "done": jnp.zeros((batch,), bool), "rounds": jnp.int32(0),
-           "reached": jnp.zeros((gamma,), jnp.int32), "accepted": jnp.zeros((gamma,), jnp.int32),
-           "row_rounds": jnp.zeros((batch,), jnp.int32),
-           "row_accepted": jnp.zeros((batch,), jnp.int32)}
+  def small_state():
+    """The loop's state besides the caches; the position and output column are reset each
+    iteration so every iteration does the same work."""
+    return {"anchor": jnp.copy(anchor), "anchor_pos": jnp.copy(anchor_pos),
+            "out": jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32),
+            "count": jnp.zeros((batch,), jnp.int32), "finished": jnp.zeros((batch,), bool),
+            "done": jnp.zeros((batch,), bool), "rounds": jnp.int32(0),
+            "reached": jnp.zeros((gamma,), jnp.int32), "accepted": jnp.zeros((gamma,), jnp.int32),
+            "row_rounds": jnp.zeros((batch,), jnp.int32),
+            "row_accepted": jnp.zeros((batch,), jnp.int32)}
+
   reset = dict(anchor_pos=np.asarray(anchor_pos), count=np.zeros((batch,), np.int32),
                rounds=np.int32(0))  # host constants: never donated
 
@@ -227,62 +347,133 @@ def bench_round(target, draft, batch: int, args) -> tuple[dict, dispatch.Choice]
     new = decoding._autoregressive_step(merge_t(w), state, max_new, rows, stop_ids, key)
     return dict(new, **reset)
 
-  ar_state = {k: jnp.copy(small[k]) for k in ("anchor", "anchor_pos", "out", "count", "finished",
-                                              "done", "rounds")}
-  looped_times = harness.time_side_by_side({
-      "target verify": looped(verify_body, t_state,
-                              (tm.init_cache(target.config, batch, cache_len), jnp.int32(0))),
-      "context update": looped(context_body, d_state, draft.init_context(batch, cache_len)),
-      "full round": looped(round_body, (t_state, d_state, head),
-                           dict(jax.tree.map(jnp.copy, small),
-                                cache=tm.init_cache(target.config, batch, cache_len),
-                                context=draft.init_context(batch, cache_len))),
-      "autoregressive step": looped(ar_body, t_state,
-                                    dict(ar_state, cache=tm.init_cache(target.config, batch,
-                                                                       cache_len))),
-  }, repeats=max(3, args.repeats // 4), warmup=1, calls=1)
-  times.update({name: seconds / LOOP for name, seconds in looped_times.items()})
-  return times, choice
+  ar_keys = ("anchor", "anchor_pos", "out", "count", "finished", "done", "rounds")
+  thunk_makers = {
+      "target verify": lambda: looped(
+          verify_body, t_state,
+          lambda: (tm.init_cache(target.config, batch, cache_len), jnp.int32(0))),
+      "context update": lambda: looped(
+          context_body, d_state, lambda: draft.init_context(batch, cache_len)),
+      "full round": lambda: looped(
+          round_body, (t_state, d_state, head),
+          lambda: dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
+                       context=draft.init_context(batch, cache_len))),
+      "autoregressive step": lambda: looped(
+          ar_body, t_state,
+          lambda: dict({k: v for k, v in small_state().items() if k in ar_keys},
+                       cache=tm.init_cache(target.config, batch, cache_len))),
+  }
+  for name in LOOPED:
+    if name in args.parts:
+      # One part at a time: its thunk (and the caches it carries) is dropped before the next.
+      seconds = attempt(label, [name], errors, lambda: harness.time_one(
+          thunk_makers[name](), repeats=max(3, args.repeats // 4), warmup=1))
+      if seconds is not None:
+        times[name] = seconds / LOOP
+  return times, errors, choice
 
 
-def bench_e2e(target, draft, args) -> dict:
-  """`generate` end to end: per-iteration time of the compiled loops, prefill subtracted."""
-  batch, context = args.e2e_batch, args.context
+def bench_e2e(pairs: dict, *, batch: int, context: int, new_tokens: int, repeats: int,
+              backend: str | None = None, config=None) -> dict:
+  """`generate` end to end on each ``(target, draft)`` of `pairs` (``{name: pair}``), the same
+  prompts (B = `batch`, `context` - 1 - i tokens in row i) and keys: per-iteration time of the
+  compiled loop, prefill subtracted.
+
+  Per decoding mode (speculative, then autoregressive): each pair runs once with 1 and once with
+  `new_tokens` new tokens (compiling both programs); then ``max(3, repeats // 4)`` repeats, each
+  timing every pair (the order rotating) with 1 new token (the prefill) and `new_tokens`. Medians.
+
+  Returns:
+    ``{name: {"speculative": r, "autoregressive": r}}``; r holds "wall_s", "prefill_s", "rounds",
+    "per_iteration_s", "tau", "tokens" (generated), "tokens_sha1" (of the token array), "path",
+    "backend".
+  """
   rng = np.random.default_rng(7)
-  vocab = target.config.vocab_size
-  prompts = [list(rng.integers(0, vocab - 1, context - 1 - i)) for i in range(batch)]
+  vocab = next(iter(pairs.values()))[0].config.vocab_size
+  prompts = [list(rng.integers(0, vocab - 1, max(1, context - 1 - i))) for i in range(batch)]
   params = dj.SamplingParams(temperature=np.where(np.arange(batch) % 2 == 1, 0.8, 0.0))
-  out = {}
+  names = list(pairs)
+  out = {name: {} for name in names}
   for spec in (True, False):
-    name = "speculative" if spec else "autoregressive"
-    run = lambda n: dj.generate(target, draft, prompts, params, jax.random.key(1), max_new_tokens=n,
-                                spec=spec, mode="force", backend=args.backend,
-                                config=args.backend_config)
-    run(1)
-    run(args.new_tokens)  # warm-up: both programs compiled
-    # The median of interleaved repeats of each (a single difference of two walls can be noise).
-    prefills, results = [], []
-    for _ in range(max(3, args.repeats // 4)):
-      prefills.append(run(1).wall_seconds)
-      results.append(run(args.new_tokens))
-    result = results[-1]
-    prefill_s = float(np.median(prefills))
-    wall_s = float(np.median([r.wall_seconds for r in results]))
-    per_iter = (wall_s - prefill_s) / max(result.rounds, 1)
-    out[name] = {"wall_s": wall_s, "prefill_s": prefill_s,
-                 "rounds": result.rounds, "per_iteration_s": per_iter, "tau": result.tau,
-                 "tokens": int(result.lengths.sum()), "path": result.path,
-                 "backend": harness.describe_choice(result.backend)}
-    print(f"  e2e {name}: {result.rounds} iterations, {per_iter * 1e3:.3f} ms each (prefill "
-          f"{prefill_s * 1e3:.1f} ms), τ {result.tau:.3f}, path {result.path}, backend "
-          f"{out[name]['backend']}", flush=True)
+    mode = "speculative" if spec else "autoregressive"
+
+    def run(name, n):
+      target, draft = pairs[name]
+      return dj.generate(target, draft, prompts, params, jax.random.key(1), max_new_tokens=n,
+                         spec=spec, mode="force", backend=backend, config=config)
+
+    for name in names:
+      run(name, 1)
+      run(name, new_tokens)  # warm-up: both programs compiled
+    # The median of interleaved repeats (a single difference of two walls can be noise).
+    prefills = {name: [] for name in names}
+    results = {name: [] for name in names}
+    for i in range(max(3, repeats // 4)):
+      for j in range(len(names)):
+        name = names[(i + j) % len(names)]
+        prefills[name].append(run(name, 1).wall_seconds)
+        results[name].append(run(name, new_tokens))
+    for name in names:
+      result = results[name][-1]
+      prefill_s = float(np.median(prefills[name]))
+      wall_s = float(np.median([r.wall_seconds for r in results[name]]))
+      per_iter = (wall_s - prefill_s) / max(result.rounds, 1)
+      tokens = np.ascontiguousarray(np.asarray(result.tokens, np.int32))
+      out[name][mode] = {
+          "wall_s": wall_s, "prefill_s": prefill_s, "rounds": result.rounds,
+          "per_iteration_s": per_iter, "tau": result.tau, "tokens": int(result.lengths.sum()),
+          "tokens_sha1": hashlib.sha1(tokens.tobytes()).hexdigest(), "path": result.path,
+          "backend": harness.describe_choice(result.backend)}
+      print(f"  e2e {name + ' ' if name else ''}{mode}: {result.rounds} iterations, "
+            f"{per_iter * 1e3:.3f} ms each (prefill {prefill_s * 1e3:.1f} ms), τ {result.tau:.3f}, "
+            f"path {result.path}, backend {out[name][mode]['backend']}", flush=True)
   return out
+
+
+def run_hf(args) -> dict | None:
+  """`benchmarks.bench_hf` on this run's contexts and batches, in a child process, its output
+  passed through; returns its saved results, or None if it failed. Call it before this process
+  puts anything on the GPU: the child must find the device's memory free."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "hf.json")
+    command = [sys.executable, "-m", "benchmarks.bench_hf",
+               "--contexts", ",".join(map(str, args.contexts)),
+               "--batches", ",".join(map(str, args.batches)),
+               "--repeats", str(max(3, args.repeats // 4)), "--json", path]
+    command += ["--small"] if args.small else []
+    print("transformers: " + " ".join(command[1:-2]), flush=True)
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    for line in child.stdout:
+      print("  [hf] " + line.rstrip("\n"), flush=True)
+    status = child.wait()
+    print(f"transformers: exit status {status} after {time.perf_counter() - start:.1f} s",
+          flush=True)
+    if not os.path.exists(path):  # a status of 1 with results: some shape failed, as printed
+      return None
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+
+
+def hf_cell(hf_rows: dict, context: int, batch: int, ours_s: float | None) -> str:
+  row = hf_rows.get((context, batch))
+  if row is None or row["static"].get("seconds") is None:
+    return "failed" if row is not None else "n/a"
+  hf_s = row["static"]["seconds"]
+  ratio = f" ({hf_s / ours_s:.2f}×)" if ours_s else ""
+  return f"{hf_s * 1e3:.3f}{ratio}"
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  meta, bandwidth = harness.start_run(args, context=args.context, gamma=args.gamma,
-                                      batches=args.batches)
+  hf = run_hf(args) if args.hf else None  # first: JAX has not touched the device yet
+  meta, bandwidth = harness.start_run(args, contexts=args.contexts, gamma=args.gamma,
+                                      batches=args.batches, parts=args.parts)
+  rate = harness.matmul_rate(args.small)
+  meta["matmul_tflops"] = rate / 1e12
+  print(f"compute floors at {rate / 1e12:.1f} TFLOP/s (this run's bf16 matrix product)", flush=True)
   start = time.perf_counter()
   target, draft = build_models(args.small, args.gamma)
   jax.block_until_ready(nnx.state(target))
@@ -293,44 +484,79 @@ def main(argv=None) -> int:
         "head included; the shared embedding/LM head not)", flush=True)
 
   results = {}
-  for batch in args.batches:
-    times, choice = bench_round(target, draft, batch, args)
-    floors = {name: b / bandwidth for name, b in floor_bytes(target, draft, batch,
-                                                               args.context).items()}
-    results[batch] = {"seconds": times, "floor_seconds": floors, "backend": choice.name,
-                      "backend_reason": choice.reason}
-    print(f"  B={batch}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in times.items()),
-          flush=True)
-  e2e = bench_e2e(target, draft, args) if args.e2e_batch else {}
+  for context in args.contexts:
+    for batch in args.batches:
+      label = f"context {context}, B={batch}"
+      times, errors, choice = bench_round(target, draft, batch, context, args)
+      gc.collect()
+      part_floors = floors(part_costs(target, draft, batch, context), bandwidth, rate)
+      results[(context, batch)] = {
+          "context": context, "batch": batch, "seconds": times, "errors": errors,
+          "floors": part_floors, "backend": choice.name, "backend_reason": choice.reason}
+      print(f"  {label}: block sampling on {harness.describe_choice(choice)}", flush=True)
+      for name in args.parts:
+        if name not in times:
+          continue
+        line = f"    {name}: {times[name] * 1e3:.3f} ms"
+        if name in part_floors:
+          f = part_floors[name]
+          line += (f", floor {f['floor_s'] * 1e3:.3f} ms ({f['bound']}; bytes "
+                   f"{f['bytes_s'] * 1e3:.3f}, compute {f['compute_s'] * 1e3:.3f}), "
+                   f"× floor {times[name] / f['floor_s']:.2f}")
+        print(line, flush=True)
+  e2e = {}
+  if args.e2e_batch:
+    e2e = bench_e2e({"": (target, draft)}, batch=args.e2e_batch, context=args.contexts[0],
+                    new_tokens=args.new_tokens, repeats=args.repeats, backend=args.backend,
+                    config=args.backend_config)[""]
 
+  has = lambda t, *names: all(n in t for n in names)
   print(f"\nTokens/s: autoregressive (B / step) vs speculative at τ (τ·B / round)")
-  print("| B | AR | " + " | ".join(f"spec τ={tau}" for tau in TAUS) + " |")
-  for batch, r in results.items():
+  print("| context | B | AR | " + " | ".join(f"spec τ={tau}" for tau in TAUS) + " |")
+  for (context, batch), r in results.items():
     t = r["seconds"]
-    print(f"| {batch} | {batch / t['autoregressive step']:.0f} | " +
-          " | ".join(f"{tau * batch / t['full round']:.0f}" for tau in TAUS) + " |")
+    if has(t, "autoregressive step", "full round"):
+      print(f"| {context} | {batch} | {batch / t['autoregressive step']:.0f} | " +
+            " | ".join(f"{tau * batch / t['full round']:.0f}" for tau in TAUS) + " |")
 
-  header = (("B", "backend") + tuple(f"{n} ms (×floor)" for n in FLOORED)
+  hf_rows = {(r["context"], r["batch"]): r for r in hf["results"]} if hf else {}
+  header = (("context", "B", "backend") + tuple(f"{n} ms (×floor)" for n in FLOORED)
             + ("accept ms", "ctx upd ms", "draft+samp %", f"spec/AR τ={TAUS[2]}"))
+  if args.hf:
+    header += ("HF static ms (× ours)",)
   rows = []
-  for batch, r in results.items():
-    t, f = r["seconds"], r["floor_seconds"]
-    rows.append([str(batch), r["backend"]]
-                + [f"{t[n] * 1e3:.3f} ({t[n] / f[n]:.2f})" for n in FLOORED]
-                + [f"{t['accept/commit'] * 1e3:.3f}", f"{t['context update'] * 1e3:.3f}",
-                   f"{(t['draft forward'] + t['block sampling']) / t['full round'] * 100:.1f}",
-                   f"{TAUS[2] * t['autoregressive step'] / t['full round']:.2f}"])
-  title = (f"bench_decode ({meta['device_kind']}, context {args.context}, γ = {args.gamma}; ms per "
-           f"part, × its floor at {bandwidth / 1e9:.1f} GB/s)")
+  for (context, batch), r in results.items():
+    t, f = r["seconds"], r["floors"]
+    cell = lambda n: (f"{t[n] * 1e3:.3f} ({t[n] / f[n]['floor_s']:.2f}"
+                      f"{'c' if f[n]['bound'] == 'compute' else ''})" if n in t
+                      else "failed" if n in r["errors"] else "n/a")
+    ms = lambda n: f"{t[n] * 1e3:.3f}" if n in t else "failed" if n in r["errors"] else "n/a"
+    row = ([str(context), str(batch), r["backend"]] + [cell(n) for n in FLOORED]
+           + [ms("accept/commit"), ms("context update"),
+              f"{(t['draft forward'] + t['block sampling']) / t['full round'] * 100:.1f}"
+              if has(t, "draft forward", "block sampling", "full round") else "n/a",
+              f"{TAUS[2] * t['autoregressive step'] / t['full round']:.2f}"
+              if has(t, "autoregressive step", "full round") else "n/a"])
+    if args.hf:
+      row.append(hf_cell(hf_rows, context, batch, t.get("autoregressive step")))
+    rows.append(row)
+  title = (f"bench_decode ({meta['device_kind']}, γ = {args.gamma}; ms per part, × its floor: the "
+           f"larger of bytes at {bandwidth / 1e9:.1f} GB/s and FLOPs at {rate / 1e12:.1f} TFLOP/s, "
+           "c where compute binds")
+  title += ("; HF: transformers' compiled static-cache decode step, × our autoregressive step)"
+            if args.hf else ")")
   if e2e:
-    title = (f"generate() end to end, B = {args.e2e_batch}, {args.new_tokens} new tokens: "
+    title = (f"generate() end to end, B = {args.e2e_batch}, context {args.contexts[0]}, "
+             f"{args.new_tokens} new tokens: "
              + "; ".join(f"{k} {v['per_iteration_s'] * 1e3:.3f} ms/iteration" for k, v in e2e.items())
              + "\n" + title)
   harness.finish(title, header, rows, meta=meta,
-                 results={"rounds": {str(b): r for b, r in results.items()}, "e2e": e2e},
+                 results={"rounds": {f"{c}/{b}": r for (c, b), r in results.items()},
+                          "e2e": e2e, "hf": hf},
                  json_path=args.json)
   return 0
 
 
 if __name__ == "__main__":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
   raise SystemExit(main())

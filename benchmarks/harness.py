@@ -13,7 +13,9 @@ under different clocks, temperatures or neighbours.
 Floor (`floor_bandwidth`, `sampler_floor_seconds`): a memory-bound program cannot beat the bytes it
 must move divided by the device's bandwidth. On a GPU the bandwidth is SPEC §9's copy rate on the
 H200, 4.27 TB/s (the yardstick of the issues; this run's copy rate is recorded beside it); elsewhere
-it is this run's best streaming copy (read + write counted). On a CPU the ×floor columns say little.
+it is this run's best streaming copy (read + write counted). A compute-bound program cannot beat its
+FLOPs divided by this run's bf16 matrix rate (`matmul_rate`: a large bf16 product, measured once per
+run). On a CPU the ×floor columns say little.
 
 Record (`metadata`): device, platform, jax version, Python, UTC date, git commit (``$GIT_COMMIT``
 where the tree has no ``.git``, e.g. on the device machine), and ``$DSPARK_JAX_BACKEND``.
@@ -51,6 +53,9 @@ leave ~6 µs of it per call."""
 COPY_BYTES = {"gpu": 2**30, "cpu": 64 * 2**20}
 """Array size of the bandwidth measurement per platform (others use the GPU's); `--small`: 8 MiB."""
 SMALL_COPY_BYTES = 8 * 2**20
+MATMUL_SIZE = {"gpu": 8192, "cpu": 1024}
+"""n of the [n, n] bf16 product of `matmul_rate` per platform (others use the GPU's); `--small`: 256."""
+SMALL_MATMUL_SIZE = 256
 
 
 # ---- the record of a run -----------------------------------------------------------------------
@@ -182,6 +187,24 @@ def floor_bandwidth(small: bool = False) -> tuple[float, float]:
   nbytes = SMALL_COPY_BYTES if small else COPY_BYTES.get(platform, COPY_BYTES["gpu"])
   measured = copy_bandwidth(nbytes)
   return (SPEC_COPY_RATE if platform == "gpu" else measured), measured
+
+
+@functools.cache
+def _matmul_rate(n: int) -> float:
+  a = on_device(jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16))
+  b = on_device(jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16))
+  run = jax.jit(jnp.matmul)
+  seconds = time_one(lambda: run(a, b), repeats=5, warmup=2, calls=10)
+  return 2 * n**3 / seconds
+
+
+def matmul_rate(small: bool = False) -> float:
+  """This device's bf16 matrix rate in FLOP/s: ``2·n³`` over the median time of a bf16
+  [n, n] @ [n, n] product of random values (bf16 result), timed back to back (a few samples).
+  n = 8192 on a GPU, 1024 elsewhere, 256 with `small`; measured once per process and size."""
+  platform = jax.local_devices()[0].platform
+  n = SMALL_MATMUL_SIZE if small else MATMUL_SIZE.get(platform, MATMUL_SIZE["gpu"])
+  return _matmul_rate(n)
 
 
 def sampler_floor_seconds(vocab: int, batch: int, gamma: int, rank: int, itemsize: int,

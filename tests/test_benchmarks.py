@@ -1,27 +1,31 @@
 """Smoke test of the maintained benchmarks (`benchmarks`): each main runs with --small on the CPU,
 exits 0 (its checks passed) and prints its summary table last. No timing is asserted."""
 
+import importlib.util
 import json
 
 import pytest
 
-from benchmarks import bench_compact, bench_decode, bench_sampler
+from benchmarks import bench_compact, bench_decode, bench_hf, bench_load, bench_sampler
 
 FAST = ["--small", "--backend", "xla", "--repeats", "1"]
+HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
-def run_and_read_table(module, title, argv, path, capsys) -> dict:
-  """Runs `module.main`; checks the table printed last under `title`; returns the saved JSON."""
+def run_and_read_table(module, title, argv, path, capsys) -> tuple[dict, list[str], list[list[str]]]:
+  """Runs `module.main`; checks the table printed last under `title`; returns the saved JSON, the
+  table's header line and its rows split into cells."""
   assert module.main(argv + ["--json", str(path)]) == 0
   out = capsys.readouterr().out.rstrip("\n").splitlines()
   start = max(i for i, line in enumerate(out) if line.startswith(title))
   header, rule, *rows = out[start + 1:]
   assert set(rule) == {"-"} and len(rule) == len(header)
   assert rows and all(len(row) == len(header) for row in rows)
-  assert "FAILED" not in "\n".join(rows) and "NO:" not in "\n".join(rows)
+  text = "\n".join(rows)
+  assert "FAILED" not in text and "NO:" not in text and "failed" not in text
   saved = json.loads(path.read_text())
-  assert saved["meta"]["jax_version"] and saved["meta"]["git_commit"] and saved["results"]
-  return saved
+  assert saved["meta"]["git_commit"] and saved["results"]
+  return saved, header, [row.split() for row in rows]
 
 
 @pytest.mark.parametrize("module, title", [
@@ -30,14 +34,79 @@ def run_and_read_table(module, title, argv, path, capsys) -> dict:
 ])
 @pytest.mark.slow
 def test_block_benchmark_prints_its_table(module, title, tmp_path, capsys):
-  saved = run_and_read_table(module, title, FAST, tmp_path / "results.json", capsys)
+  saved, _, _ = run_and_read_table(module, title, FAST, tmp_path / "results.json", capsys)
+  assert saved["meta"]["jax_version"]
   assert all(r["ok"] and r["check"]["mode"] == "exact" for r in saved["results"])
 
 
 @pytest.mark.slow
 def test_decode_benchmark_prints_its_table(tmp_path, capsys):
-  """Tiny models, but a dozen programs to compile (the round's parts, and `generate`'s two decode
-  loops end to end): ~20 s on 2 cores."""
-  saved = run_and_read_table(bench_decode, "bench_decode (", FAST, tmp_path / "results.json",
-                             capsys)
-  assert set(saved["results"]["e2e"]) == {"speculative", "autoregressive"}
+  """Tiny models, but the round's parts to compile, and with transformers installed `bench_hf` in a
+  child process: ~45 s on 2 cores. (`bench_e2e` runs in the bench_load test.)"""
+  argv = FAST + (["--hf"] if HAS_HF else [])
+  saved, header, rows = run_and_read_table(bench_decode, "bench_decode (", argv,
+                                           tmp_path / "results.json", capsys)
+  rounds = saved["results"]["rounds"]
+  assert list(rounds) == ["32/2"]
+  assert rounds["32/2"]["errors"] == {} and set(rounds["32/2"]["seconds"]) == set(bench_decode.PARTS)
+  assert set(rounds["32/2"]["floors"]) == set(bench_decode.FLOORED)
+  assert saved["meta"]["matmul_tflops"] > 0
+  assert saved["results"]["e2e"] == {}
+  assert header.split()[:2] == ["context", "B"] and rows[0][:2] == ["32", "2"]
+  if HAS_HF:
+    assert header.rstrip().endswith("HF static ms (× ours)")
+    hf_ms, ratio = rows[0][-2:]
+    assert float(hf_ms) > 0 and ratio.startswith("(") and ratio.endswith("×)")
+    assert saved["results"]["hf"]["results"][0]["static"]["compiled"] is False  # CPU: eager
+
+
+def test_decode_parts_and_contexts_are_checked():
+  args = bench_decode.parse_args(["--small", "--parts", "full round,target verify",
+                                  "--contexts", "16,32"])
+  assert args.parts == ["target verify", "full round"] and args.contexts == [16, 32]
+  assert bench_decode.parse_args(["--context", "64"]).contexts == [64]
+  assert bench_decode.parse_args([]).contexts == [1024, 4096]
+  assert bench_decode.parse_args([]).batches == [1, 16, 64, 128]
+  assert bench_decode.parse_args([]).e2e_batch == 0
+  for bad in (["--parts", "target verify,draft"], ["--contexts", "0"],
+              ["--context", "8", "--contexts", "16"]):
+    with pytest.raises(SystemExit):
+      bench_decode.parse_args(bad)
+
+
+def test_floors_take_the_larger_of_bytes_and_compute():
+  costs = {"a": (100.0, 10.0), "b": (1.0, 1000.0)}
+  out = bench_decode.floors(costs, bandwidth=10.0, rate=10.0)
+  assert out["a"]["floor_s"] == 10.0 and out["a"]["bound"] == "bytes"
+  assert out["b"]["floor_s"] == 100.0 and out["b"]["bound"] == "compute"
+
+
+@pytest.mark.slow
+def test_hf_benchmark_prints_its_table(tmp_path, capsys):
+  """transformers' Qwen3 on the tiny shape, both caches (eager on the CPU): ~10 s."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  saved, _, rows = run_and_read_table(bench_hf, "bench_hf (", ["--small", "--repeats", "1"],
+                                      tmp_path / "hf.json", capsys)
+  (row,) = saved["results"]
+  assert (row["context"], row["batch"]) == (32, 2)
+  assert row["static"]["seconds"] > 0 and row["dynamic"]["seconds"] > 0
+  assert row["static"]["compiled"] is False
+  assert rows[0][:2] == ["32", "2"] and rows[0][3] == "no"
+
+
+@pytest.mark.slow
+def test_load_benchmark_prints_its_table(tmp_path, capsys):
+  """save_pretrained -> load_pretrained of the tiny pair, then generate on both pairs (four decode
+  loops to compile): ~50 s on 2 cores."""
+  saved, _, rows = run_and_read_table(
+      bench_load, "bench_load (", FAST + ["--dir", str(tmp_path / "pair")],
+      tmp_path / "load.json", capsys)
+  meta = saved["meta"]
+  assert meta["weights_equal"] and meta["same_tokens"]
+  assert meta["bytes_written"]["target"] > 0 and meta["bytes_written"]["draft"] > 0
+  assert meta["load_cold_s"] > 0 and meta["load_second_s"] > 0
+  assert (tmp_path / "pair" / "target" / "config.json").exists()
+  assert (tmp_path / "pair" / "draft" / "config.json").exists()
+  assert [row[0] for row in rows] == ["in", "loaded"]  # "in memory", split on spaces
+  assert set(saved["results"]["e2e"]) == {"in memory", "loaded"}
