@@ -55,6 +55,7 @@ TESTS = (
     "tests/test_proposal.py",
     "tests/test_compact_logits.py",
     "tests/test_draft_sampler.py",
+    "tests/test_attention.py",
 )
 """The GPU-relevant test files (edit here)."""
 TEST_MARKS = "kernel or gpu"
