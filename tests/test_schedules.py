@@ -151,7 +151,7 @@ def profiles(rows, gamma, rng):
   return {"smooth": smooth, "jagged": jagged, "dip": dip, "short": short, "tiny": tiny}
 
 
-SHAPES = [(1, 1), (1, 4), (2, 3), (3, 2), (5, 4), (8, 3)]
+SHAPES = [(1, 4), (2, 1), (3, 2), (5, 4), (8, 3)]
 
 
 def batched(schedule, confidence, active, *, jit=False):

@@ -24,7 +24,7 @@ exactly, ties included. Pairs (r, j) are admitted in the *admission order*: a de
 position j ascending, then row r ascending. Because survivals never increase along j and equal
 values go position first, (r, j) always precedes (r, j + 1): any prefix of the admission order holds,
 for each row, a prefix of its drafts, so ℓ_r is well defined. The candidates are the pairs of
-active rows with a > 0 (Algorithm 1's candidate space); a zero-survival draft is never verified.
+active rows with a > 0 (Algorithm 1's candidate space); a zero-survival draft is never admitted.
 
 **Throughput.** ``sps`` is a 1-D table: ``sps[n]`` is the target's verify steps per second with n
 batch tokens (n ≥ 1; ``sps[0]`` is never read). With A active rows the walk starts at B = A tokens and
@@ -36,8 +36,8 @@ to τ, Θ_k = τ_k·sps[A + k]. An admission that would reach ``len(sps)`` token
 * `fixed`: every active row verifies its whole block (γ + 1).
 * `threshold`: DeepSpec's static rule: ℓ_r = the number of leading positions with c_{r,k} ≥ t.
 * `prefix`: Algorithm 1: admissions are kept while each raises Θ above the best so far; the walk
-  stops at the first that does not. The decision to verify x_{r,j} therefore reads only survivals
-  ranked before (r, j), which depend on x_{r,<j} and on other rows, never on x_{r,j} itself: it is
+  stops at the first that does not. Whether (r, j) is admitted therefore reads only survivals ranked
+  up to it, which depend on x_{r,<j} and on other rows, never on x_{r,j} itself: it is
   non-anticipating, hence lossless.
 * `top_k`: the production variant (§5.2): a budget K = the first argmax over k of Θ_k with no early
   stop, computed on the survivals of `lag` rounds ago (all ones until `lag` rounds have run), then
@@ -46,6 +46,16 @@ to τ, Θ_k = τ_k·sps[A + k]. An admission that would reach ``len(sps)`` token
   ``lag >= 1``. ``lag = 0`` computes K on the current survivals: that is Algorithm 1 without its
   early stop, the retrospective search of the paper's Appendix A, which is *not* lossless (offered
   to measure what the early stop costs, and to check that the law tests can see the bias).
+
+**What verify checks, and the caller's part.** A row's ``verify_len = 1 + ℓ_r`` puts the anchor and
+drafts 1..ℓ_r into the target's batch; `verification.verify` then checks drafts 1..ℓ_r + 1 (draft
+ℓ_r + 1, when accepted, is the bonus). So x_{r,j} is checked iff ℓ_r ≥ j − 1, an event that these
+schedules (except ``top_k(lag=0)``) decide from x_{r,<j−1}: one step of margin. The guarantee also
+needs each round's drafts to be drawn with randomness that nothing the schedule has seen was drawn
+with: a later round that redraws a position with the noise an earlier round used there (noise keyed
+by absolute position only) lets a lagged budget, which read the earlier draft's survival, depend on
+the new draft; tests/test_schedule_law.py shows the bias. Fold a per-round counter into the draft's
+key.
 
 The table: `load_sps` / `save_sps` read and write ``{"batch_tokens": [...], "steps_per_second": [...],
 "device": ..., "date": ...}`` (JSON); `load_sps` fills the dense array by linear interpolation between
