@@ -51,23 +51,48 @@ def test_generate_prints_the_completion_and_tau(pair_dirs, capsys):
   assert f"acceptance k = 1..{GAMMA}:" in out
 
 
-@pytest.mark.slow  # the autoregressive program and the stop-string program: two compilations
-def test_generate_without_a_drafter_and_with_stop_strings(pair_dirs, capsys):
+@pytest.mark.slow  # compiles the autoregressive program
+def test_generate_without_a_drafter(pair_dirs, capsys):
   target, _ = pair_dirs
   assert cli.main(["generate", "--target", target, "--prompt", "The quick brown fox",
                    "--max-new-tokens", "5", "--temperature", "1", "--top-p", "0.9",
-                   "--top-k", "50", "--seed", "3"]) == 0
+                   "--top-k", "50", "--seed", "3", "--stop", "zz"]) == 0
   out = capsys.readouterr().out
   assert "τ = 1 (autoregressive" in out and "[finish: " in out
-  if "finish_reason" not in dspark_jax.GenerateResult.__dataclass_fields__:
-    pytest.skip("generate has no stop_sequences yet")
-  # Every byte-level completion holds a character; stopping on each printable one cuts early.
-  stops = [c for c in "etaoinsrhl dcumfpgwybvkxjqz" if c.strip()]
-  argv = ["generate", "--target", target, "--prompt", "The quick brown fox", "--max-new-tokens",
-          "12", "--temperature", "0"]
-  assert cli.main(argv + sum((["--stop", c] for c in stops), [])) == 0
+
+
+def test_generate_passes_its_flags_on(config_dirs, monkeypatch, capsys):
+  from dspark_jax.text import generation
+  target, _ = config_dirs
+  seen = {}
+
+  class Batch:
+    tau, acceptance, tokens_per_second, compile_seconds = 1.0, (), 12.5, 0.25
+
+  def fake_generate_text(target_model, draft, tokenizer, prompts, params, key, **kwargs):
+    seen.update(prompts=prompts, params=params, tokenizer=tokenizer, draft=draft, **kwargs)
+    return [generation.TextResult(text=f"out {i}", token_ids=[5, 6], finish_reason="stop_string",
+                                  stop="\n", prompt_token_ids=[1], tau=1.0, rounds=0, accepted=0,
+                                  batch=Batch) for i in range(len(prompts))]
+
+  monkeypatch.setattr(dspark_jax, "load_pretrained", lambda t, d, dtype=None: ("T", None))
+  monkeypatch.setattr(generation, "generate_text", fake_generate_text)
+  assert cli.main(["generate", "--target", target, "--prompt", "a", "--prompt", "b", "--chat",
+                   "--system", "S", "--temperature", "0.7", "--top-p", "0.5", "--top-k", "9",
+                   "--seed", "4", "--max-new-tokens", "3", "--stop", "\\n", "--stop", "é|"]) == 0
+  assert seen["prompts"] == [[{"role": "system", "content": "S"}, {"role": "user", "content": p}]
+                             for p in "ab"]
+  assert seen["stop"] == ["\n", "é|"] and seen["chat"] is True and seen["spec"] is False
+  assert seen["max_new_tokens"] == 3 and seen["draft"] is None
+  np = pytest.importorskip("numpy")
+  np.testing.assert_allclose(seen["params"].temperature, [0.7, 0.7], rtol=1e-6)
+  np.testing.assert_allclose(seen["params"].top_p, [0.5, 0.5])
+  np.testing.assert_array_equal(seen["params"].top_k, [9, 9])
+  np.testing.assert_array_equal(seen["params"].seed, [4, 5])
+  assert seen["tokenizer"].stop_token_ids == (2, 0)
   out = capsys.readouterr().out
-  assert "[finish: " in out
+  assert "out 0\n[finish: stop_string '\\n'; 2 tokens]" in out and "--- prompt 2 ---" in out
+  assert "τ = 1 (autoregressive" in out and "12.5 tokens/s" in out
 
 
 @pytest.mark.slow  # reuses the program of the test above: fast after it, ~10 s alone

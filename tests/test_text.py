@@ -364,13 +364,14 @@ def test_generate_text_on_the_shipped_pair():
   chat_tokenizer = tk.Tokenizer(pair.tokenizer.backend, chat_template=SHIPPED_CHAT,
                                 special_tokens={"eos_token": "<|endoftext|>"})
   params = sp.SamplingParams(temperature=np.zeros(2))
-  prompts = ["import os\n\n\ndef main():\n", "class Point:\n    def __init__(self, x, y):\n"]
+  prompts = ["def add(x, y):\n    ", "    def __repr__(self):\n        return "]
   common = dict(max_new_tokens=24, stop=[["\n"], ["never seen"]])
   out = generation.generate_text(pair.target, pair.draft, pair.tokenizer, prompts, params,
                                  jax.random.key(0), **common)
   first, second = out
   assert first.finish_reason == "stop_string" and first.stop == "\n"
-  assert "\n" not in first.text and "\n" in pair.decode(first.token_ids)
+  assert first.text and "\n" not in first.text and "\n" in pair.decode(first.token_ids)
+  assert pair.decode(first.token_ids).startswith(first.text)
   assert "\n" not in pair.decode(first.token_ids[:-1])
   assert first.prompt_token_ids == pair.encode(prompts[0])
   assert second.finish_reason in ("length", "stop_token")
