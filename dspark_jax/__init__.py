@@ -22,6 +22,8 @@ Public API (each name documented in its module):
   `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
 * `schedules` (scheduling.schedules): verify-length schedules `Schedule(init, update)`: `fixed`,
   `threshold`, `prefix` (Algorithm 1), `top_k` (lagged budget); `load_sps`, `save_sps`.
+* `profile_sps` (scheduling.profile): the target's verify steps per second at each verify batch
+  size, the throughput table `schedules.prefix`/`top_k` read (saved with `schedules.save_sps`).
 * `calibration` (scheduling.calibration): Sequential Temperature Scaling `fit_sts`; `ece`,
   `reliability`, `auc` of the cumulative survival.
 * `Tokenizer`, `load_tokenizer` (text.tokenizer): a model directory's tokenizer with its special
@@ -48,6 +50,7 @@ from dspark_jax.sampling.params import SamplingParams
 from dspark_jax.sampling.sampler import Stream, row_keys, sample_step
 from dspark_jax.sampling.target_law import sample_target, target_log_probs
 from dspark_jax.scheduling import calibration, schedules
+from dspark_jax.scheduling.profile import profile_sps
 from dspark_jax.text import TextResult, Tokenizer, generate_text, load_tokenizer
 from dspark_jax.verification import AcceptResult, verify
 
@@ -61,5 +64,5 @@ __all__ = [
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
     "TargetModel", "verify", "calibration", "schedules", "load_pretrained", "save_pretrained",
     "draft_proposal", "generate_text", "load_shipped", "load_shipped_tokenizer", "load_tokenizer",
-    "TextResult", "Tokenizer",
+    "TextResult", "Tokenizer", "profile_sps",
 ]

@@ -9,6 +9,7 @@ loop as a pure function of arrays). One module per job:
   eager fallback that drives the same round from Python.
 * `host`: `generate`, `GenerateResult`, input checks, padding buckets, routing and the compile
   cache.
+* `stops`: stop sequences: the host check (`stop_sequence_array`), the in-loop match, finish codes.
 
 * **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
   target once; the first new token is sampled from the target at each row's last prompt position
@@ -19,7 +20,10 @@ loop as a pure function of arrays). One module per job:
   ``[anchor, x_1..x_γ]`` at positions ``anchor_pos..anchor_pos+γ``; `verification.verify_arrays`
   accepts a prefix and a bonus; the committed tokens are appended (up to ``max_new_tokens``); the
   target features of those positions extend the draft's context. Finished rows stop committing and
-  stop advancing.
+  stop advancing. An optional verify-length `Schedule` (``dspark_jax.scheduling.schedules``) picks
+  each row's verify length from the block's confidence inside the loop, its state in the carry.
+* **Stops**: stop token ids and stop sequences, matched inside the loop; nothing after the first
+  match is committed; `GenerateResult.finish_reason` says why each row ended.
 * **Baseline** (`spec=False`): plain autoregressive decoding with the same target, sampler, buckets
   and stop rules, one token per loop iteration.
 
@@ -30,12 +34,17 @@ from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, _after_proposal,
                                         _autoregressive_step, _draft_forward, _draft_inputs,
                                         _finish, _finish_jit, _prefill, _row_arrays,
                                         _speculative_round)
-from dspark_jax.decoding.loop import (DecodeOutput, _decode_program, _eager_draft, _eager_prefill,
-                                      _eager_verify, _run_eager, decode)
+from dspark_jax.decoding.loop import (DecodeOutput, RoundTrace, _decode_program, _eager_draft,
+                                      _eager_prefill, _eager_verify, _run_eager, check_schedule,
+                                      decode)
+from dspark_jax.decoding.stops import (FINISH_LENGTH, FINISH_REASONS, FINISH_STOP_SEQUENCE,
+                                       FINISH_STOP_TOKEN, stop_sequence_array)
 from dspark_jax.decoding.host import (_COMPILED, MIN_BUCKET, GenerateResult, _check_budgets,
                                       _choose_path, _prepare_prompts, bucket, check_pair,
                                       compiled_programs, generate)
-from dspark_jax.decoding import host, loop, rounds
+from dspark_jax.decoding import host, loop, rounds, stops
 
-__all__ = ["DecodeOutput", "GenerateResult", "MIN_BUCKET", "PATH_AUTOREGRESSIVE", "bucket",
-           "check_pair", "compiled_programs", "decode", "generate"]
+__all__ = ["DecodeOutput", "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP_SEQUENCE",
+           "FINISH_STOP_TOKEN", "GenerateResult", "MIN_BUCKET", "PATH_AUTOREGRESSIVE", "RoundTrace",
+           "bucket", "check_pair", "check_schedule", "compiled_programs", "decode", "generate",
+           "stop_sequence_array"]

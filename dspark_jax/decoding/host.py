@@ -5,7 +5,8 @@ This module owns what happens on the host around a decode: checking and padding 
 all-greedy batch runs the greedy-only variant; a batch with sampled rows runs the folded sampling
 variant if the memory gate allows it, else the eager fallback); compiling each bucket's program
 ahead of time once per process (`_COMPILED`: batch, prompt length and ``max_new_tokens`` rounded up
-to powers of two, so calls in the same buckets never recompile); and the `GenerateResult`.
+to powers of two, stop sequences to [B, S, L] powers of two, so calls in the same buckets never
+recompile; a schedule is part of the key by identity: reuse the object); and the `GenerateResult`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flax import nnx
 from dspark_jax import validation
 from dspark_jax import verification
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import stops
 from dspark_jax.decoding.rounds import PATH_AUTOREGRESSIVE, _row_arrays
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
@@ -40,7 +42,7 @@ class GenerateResult:
   Attributes:
     tokens: [B, max_new_tokens] int32 generated tokens, -1 after each row's end.
     lengths: [B] number of generated tokens per row.
-    finished: [B] bool, the row ended on a stop token.
+    finished: [B] bool, the row ended on a stop token or a stop sequence.
     rounds: loop iterations (speculative rounds, or autoregressive steps) after the prefill.
     tau: mean tokens per round per active row, accepted drafts + bonus (τ); 1 for the baseline.
     acceptance: [γ] conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), over active
@@ -54,6 +56,15 @@ class GenerateResult:
     wall_seconds: execution time of the decode (compilation excluded; includes the final sync).
     compile_seconds: time spent compiling in this call (0 when every program was cached).
     backend: the `dispatch.Choice` that drafted the blocks of a folded path (None otherwise).
+    finish_reason: per row, "stop_token", "stop_sequence" or "length" (the budget ran out).
+    stop_index: [B] int the index of the matched sequence in the row's stop-sequence list (the
+      shared list, or the row's own), -1 otherwise.
+    verify_tokens: mean tokens verified per round per active row, anchor included (γ + 1 without a
+      schedule; 1 for the baseline). row_verified: [B] int the counts behind it, summed over each
+      row's rounds (zeros for the baseline): ``verify_tokens = row_verified.sum() /
+      row_rounds.sum()``.
+    trace: with ``trace=True``, a `loop.RoundTrace` of NumPy arrays cut to the rounds run:
+      confidence [rounds, B, γ], verify_lens, accept_len, active [rounds, B]; else None.
   """
 
   tokens: np.ndarray
@@ -70,6 +81,11 @@ class GenerateResult:
   accepted: np.ndarray | None = None
   row_rounds: np.ndarray | None = None
   row_accepted: np.ndarray | None = None
+  finish_reason: list[str] | None = None
+  stop_index: np.ndarray | None = None
+  verify_tokens: float = 1.0
+  row_verified: np.ndarray | None = None
+  trace: loop.RoundTrace | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -168,8 +184,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              stop_token_ids: Sequence[int] | np.ndarray = (), spec: bool = True,
              mode: memory_gate.FoldedSampling | str | None = None, memory_stats=None,
              headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
-             store_logits: bool = True, backend: str | None = None,
-             config=None) -> GenerateResult:
+             store_logits: bool = True, backend: str | None = None, config=None,
+             stop_sequences=(), schedule=None, trace: bool = False) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -180,6 +196,10 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     key: base PRNG key.
     max_new_tokens: per-row budget (an int, or B ints >= 0).
     stop_token_ids: shared stop ids, or per row as a [B, S] array padded with -1.
+    stop_sequences: token-id sequences shared by every row (``[[13, 7], [2]]``), or per row (a list
+      of B lists of sequences), or a [B, S, L] array -1 padded (`stops.stop_sequence_array`). A row
+      finishes when its generated tokens end with one of its sequences (matches may span rounds and
+      start at the first generated token, never in the prompt); nothing after the match is kept.
     spec: speculative decoding (default) or the autoregressive baseline.
     mode, memory_stats, headroom_bytes: the memory gate for the folded sampling variant
       (`memory_gate`; used only when the batch has sampled rows).
@@ -188,13 +208,21 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       The same tokens, fewer bytes per round at large batches.
     backend, config: what computes the folded draft blocks ("auto", "xla", "triton", "hopper";
       None reads ``$DSPARK_JAX_BACKEND``) and its settings (`dspark_jax.kernels.dispatch`).
+    schedule: a `Schedule` (``dspark_jax.scheduling.schedules``) choosing each round's verify length
+      per row from the block's confidence, inside the loop; None verifies γ + 1 (``fixed()``'s
+      decisions). Part of the compile key by identity: reuse the object across calls. The verify
+      forward keeps its [B, γ + 1] shape (`rounds`): fewer tokens verified, not a cheaper forward.
+    trace: record per-round confidence, verify lengths, accepted runs and activity
+      (`GenerateResult.trace`).
 
   Returns:
     A `GenerateResult`; ``result.backend`` says which backend drafted and why.
 
   Raises:
     ValueError: bad prompts (naming the row and token), a draft that does not fit the target, a
-      missing draft, params or budgets of the wrong size.
+      missing draft, params or budgets of the wrong size, bad stop sequences (naming
+      ``stop_sequences`` and the element), a schedule that reads the confidence with a draft that
+      has no confidence head, or a schedule or trace with ``spec=False``.
   """
   vocab = target.config.vocab_size
   if spec:
@@ -210,6 +238,13 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     raise ValueError(f"params: has {params.batch_size} rows but there are {batch} prompts")
   max_new = _check_budgets(max_new_tokens, batch)
   stop_ids = verification.stop_id_array(stop_token_ids, batch, vocab)
+  stop_seqs = stops.stop_sequence_array(stop_sequences, batch, vocab)
+  loop.check_schedule(schedule, draft, spec)
+  if not isinstance(trace, (bool, np.bool_)):
+    raise ValueError(f"trace: expected a bool, got {trace!r}")
+  if trace and not spec:
+    raise ValueError("trace: only speculative decoding has rounds to trace (got spec=False)")
+  trace = bool(trace)
 
   padded_batch = bucket(batch)
   path, _ = _choose_path(spec, params, draft, padded_batch, vocab, mode, memory_stats,
@@ -222,7 +257,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
           np.concatenate([prompt_lens, np.ones(extra, np.int32)]),
           np.concatenate([max_new.astype(np.int32), np.zeros(extra, np.int32)]),
           _row_arrays(params.padded(padded_batch)),
-          np.pad(stop_ids, ((0, extra), (0, 0)), constant_values=-1), key)
+          np.pad(stop_ids, ((0, extra), (0, 0)), constant_values=-1),
+          np.pad(stop_seqs, ((0, extra), (0, 0), (0, 0)), constant_values=-1), key)
   args = jax.device_put(args)
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
@@ -238,12 +274,14 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   compile_seconds = 0.0
   start = time.perf_counter()
   if path == proposal.PATH_EAGER:
-    state = loop._run_eager(target_state, draft_state, args, target_def=target_def,
-                            draft_def=draft_def, kind=draft.head.kind, cache_len=cache_len,
-                            out_len=out_len, store_logits=store_logits)
+    out = loop._run_eager(target_state, draft_state, args, target_def=target_def,
+                          draft_def=draft_def, kind=draft.head.kind, cache_len=cache_len,
+                          out_len=out_len, store_logits=store_logits, schedule=schedule,
+                          trace=trace)
   else:
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
-                   out_len=out_len, store_logits=store_logits, backend=choice)
+                   out_len=out_len, store_logits=store_logits, backend=choice,
+                   schedule=schedule, trace=trace)
     shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))),
                           (target_state, draft_state, args))
     signature = (str(jax.tree_util.tree_structure(shapes)), str(jax.tree.leaves(shapes)),
@@ -255,25 +293,39 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       _COMPILED[signature] = program
       compile_seconds = time.perf_counter() - start
       start = time.perf_counter()
-    state = program(target_state, draft_state, *args)
-  state = jax.device_get(state)
+    out = program(target_state, draft_state, *args)
+  out = jax.device_get(out)
   wall = time.perf_counter() - start
+  return _result(out, batch, int(max_new.max()), spec, path, wall, compile_seconds, choice)
 
-  tokens = np.asarray(state["out"])[:batch, :int(max_new.max()) if batch else 0]
-  lengths = np.asarray(state["count"])[:batch]
+
+def _result(out: loop.DecodeOutput, batch: int, width: int, spec: bool, path: str, wall: float,
+            compile_seconds: float, choice) -> GenerateResult:
+  """The `GenerateResult` of a decode's host `DecodeOutput` (padding rows dropped)."""
+  rounds = int(out.rounds)
+  tokens = np.asarray(out.tokens)[:batch, :width if batch else 0]
+  lengths = np.asarray(out.lengths)[:batch]
+  trace = None
   if spec:
-    row_rounds = np.asarray(state["row_rounds"])[:batch].astype(np.int64)
-    row_accepted = np.asarray(state["row_accepted"])[:batch].astype(np.int64)
+    row_rounds = np.asarray(out.row_rounds)[:batch].astype(np.int64)
+    row_accepted = np.asarray(out.row_accepted)[:batch].astype(np.int64)
+    row_verified = np.asarray(out.row_verified)[:batch].astype(np.int64)
     tau = 1.0 + float(row_accepted.sum()) / max(float(row_rounds.sum()), 1.0)
-    reached = np.asarray(state["reached"]).astype(np.int64)
-    accepted = np.asarray(state["accepted"]).astype(np.int64)
+    verify_tokens = float(row_verified.sum()) / max(float(row_rounds.sum()), 1.0)
+    reached = np.asarray(out.reached).astype(np.int64)
+    accepted = np.asarray(out.accepted).astype(np.int64)
     acceptance = np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan)
+    if out.trace is not None:
+      trace = jax.tree.map(lambda x: np.asarray(x)[:rounds, :batch], out.trace)
   else:
-    tau, acceptance = 1.0, np.zeros((0,))
+    tau, verify_tokens, acceptance = 1.0, 1.0, np.zeros((0,))
     reached = accepted = np.zeros((0,), np.int64)
-    row_rounds = row_accepted = np.zeros((batch,), np.int64)
+    row_rounds = row_accepted = row_verified = np.zeros((batch,), np.int64)
   return GenerateResult(tokens=tokens.astype(np.int32), lengths=lengths,
-                        finished=np.asarray(state["finished"])[:batch], rounds=int(state["rounds"]),
+                        finished=np.asarray(out.finished)[:batch], rounds=rounds,
                         tau=tau, acceptance=acceptance, path=path, wall_seconds=wall,
                         compile_seconds=compile_seconds, backend=choice, reached=reached,
-                        accepted=accepted, row_rounds=row_rounds, row_accepted=row_accepted)
+                        accepted=accepted, row_rounds=row_rounds, row_accepted=row_accepted,
+                        finish_reason=stops.finish_reasons(np.asarray(out.finish_reason)[:batch]),
+                        stop_index=np.asarray(out.stop_index)[:batch], verify_tokens=verify_tokens,
+                        row_verified=row_verified, trace=trace)

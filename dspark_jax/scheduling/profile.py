@@ -1,0 +1,171 @@
+"""Throughput profiles: how many verify steps per second the target runs at each verify batch size.
+
+This module owns `profile_sps`, the measurement behind the ``sps`` table that the schedules
+`schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
+passes per second with n batch tokens.
+
+**What is timed.** The target's cached forward over rows of γ + 1 tokens (anchor and γ drafts) at
+positions ``context .. context + γ``, as in a decoding round: n batch tokens are covered by
+``rows = ceil(n / (γ + 1))`` rows, so the forward sees ``rows · (γ + 1) ≥ n`` tokens (the decoding
+loop's verify forward has this static [B, γ + 1] shape; a verify batch packed to exactly n tokens
+would need its own kernel, which this library does not build). Each sample runs ``steps`` forwards
+back to back inside one compiled `lax.fori_loop` (no host dispatch between them, as inside the
+decoding loop), after ``warmup`` untimed samples; the rate is ``steps / median(seconds)`` over
+``repeats`` samples. The cache contents do not change the work (attention is masked by position
+only), so it is left zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import validation
+from dspark_jax.models import draft as dm
+from dspark_jax.models import target as tm
+
+DEFAULT_BATCH_TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclasses.dataclass
+class SpsProfile:
+  """A measured throughput table (`profile_sps`).
+
+  Attributes:
+    batch_tokens: [n] int64 the requested verify batch sizes, ascending.
+    steps_per_second: [n] float64 verify forwards per second at each.
+    rows: [n] int64 rows of γ + 1 tokens the forward ran (``rows · (γ + 1) >= batch_tokens``).
+    seconds: [n, repeats] float64 the timed samples (each of ``steps`` forwards).
+    context, gamma, steps: the settings measured.
+    device: the accelerator, in words. date: when (ISO 8601, UTC).
+  """
+
+  batch_tokens: np.ndarray
+  steps_per_second: np.ndarray
+  rows: np.ndarray
+  seconds: np.ndarray
+  context: int
+  gamma: int
+  steps: int
+  device: str
+  date: str
+
+  def table(self) -> dict[int, float]:
+    """{batch tokens: steps per second}."""
+    return {int(n): float(s) for n, s in zip(self.batch_tokens, self.steps_per_second)}
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the table as JSON with `schedules.save_sps` (``schedules.load_sps`` reads it back)."""
+    from dspark_jax.scheduling import schedules  # the table format belongs to the schedules
+    schedules.save_sps(path, (self.batch_tokens.tolist(), self.steps_per_second.tolist()),
+                       {"device": self.device, "date": self.date, "context": self.context,
+                        "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist()})
+
+
+def _check_batch_tokens(batch_tokens) -> np.ndarray:
+  values = np.asarray(batch_tokens)
+  if values.ndim != 1 or values.size == 0 or values.dtype.kind not in "iu":
+    raise ValueError(f"batch_tokens: expected a non-empty sequence of ints >= 1, got "
+                     f"{batch_tokens!r}")
+  bad = values < 1
+  if bad.any():
+    i = int(np.flatnonzero(bad)[0])
+    raise ValueError(f"batch_tokens: entry {i} is {values[i]}; must be >= 1")
+  return np.unique(values.astype(np.int64))
+
+
+def _device_name() -> str:
+  device = jax.devices()[0]
+  return f"{device.platform}: {device.device_kind} (jax {jax.__version__})"
+
+
+def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: int, steps: int):
+  """A compiled thunk running `steps` verify forwards of `rows` rows; returns it ready to call."""
+  config = nnx.merge(target_def, target_state).config
+  width = gamma + 1
+  tokens = jnp.zeros((rows, width), jnp.int32)
+  positions = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (rows, width))
+  cache = tm.init_cache(config, rows, context + width)
+
+  @jax.jit
+  def run(state, cache):
+    target = nnx.merge(target_def, state)
+
+    def body(_, carry):
+      cache, total = carry
+      logits, _, cache = target(tokens, positions, cache)
+      return cache, total + logits[:, -1, 0].astype(jnp.float32).sum()  # keeps the forward live
+
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))[1]
+
+  compiled = run.lower(target_state, cache).compile()
+  return lambda: jax.block_until_ready(compiled(target_state, cache))
+
+
+def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
+                batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, context: int = 1024,
+                gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
+                path: str | os.PathLike | None = None) -> SpsProfile:
+  """Measures the target's verify steps per second at each verify batch size (module docstring).
+
+  Args:
+    target: the target model (its weights and dtype as they will decode).
+    draft: the draft whose γ sets the verify width; optional when `gamma` is given.
+    batch_tokens: verify batch sizes n ≥ 1 to measure (sorted, duplicates dropped).
+    context: the position of each row's anchor: the context length the forward attends over.
+    gamma: drafts per block (default: the draft's).
+    repeats: timed samples per size (the median is kept). warmup: untimed samples first.
+    steps: forwards per sample, back to back in one compiled loop.
+    path: if given, the table is saved there as JSON (`SpsProfile.save`).
+
+  Returns:
+    An `SpsProfile`; ``schedules.dense_sps(p.batch_tokens, p.steps_per_second)`` (or
+    ``schedules.load_sps`` of the saved file) is the dense ``sps`` the schedules take.
+
+  Raises:
+    ValueError: bad sizes or settings (naming the argument), no γ, a γ that differs from the
+      draft's.
+  """
+  if not isinstance(target, tm.TargetModel):
+    raise ValueError(f"target: expected a TargetModel, got {type(target).__name__}")
+  sizes = _check_batch_tokens(batch_tokens)
+  context = validation.check_nonnegative_int("context", context)
+  repeats = validation.check_positive_int("repeats", repeats)
+  warmup = validation.check_nonnegative_int("warmup", warmup)
+  steps = validation.check_positive_int("steps", steps)
+  if gamma is None:
+    if draft is None:
+      raise ValueError("gamma: required without a draft (the verify width is γ + 1)")
+    gamma = draft.config.gamma
+  gamma = validation.check_positive_int("gamma", gamma)
+  if draft is not None and draft.config.gamma != gamma:
+    raise ValueError(f"gamma: {gamma}, but the draft drafts γ = {draft.config.gamma}")
+  target_def, target_state = nnx.split(target)
+  rows = -(-sizes // (gamma + 1))
+  measured = {}  # sizes that need the same rows share one measurement
+  for n_rows in np.unique(rows):
+    call = _timed_forwards(target_def, target_state, int(n_rows), context, gamma, steps)
+    for _ in range(warmup):
+      call()
+    samples = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      call()
+      samples.append(time.perf_counter() - start)
+    measured[int(n_rows)] = samples
+  seconds = np.array([measured[int(n)] for n in rows], np.float64)
+  profile = SpsProfile(
+      batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=rows,
+      seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  if path is not None:
+    profile.save(path)
+  return profile
