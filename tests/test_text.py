@@ -29,7 +29,12 @@ TEMPLATE = """{{ bos_token }}
 </think>
 
   {% endif %}
+  {% if message.role == 'assistant' %}
+{% generation %}{{ message.content | trim }}<|im_end|>{% endgeneration %}
+
+  {% else %}
 {{ message.content | trim }}<|im_end|>
+  {% endif %}
 {% endfor %}
 {% if tools %}
 <|im_start|>tools

@@ -21,9 +21,9 @@ or extra special token that is not an added token yet becomes a special added to
 ``encode``/``decode`` equal a ``PreTrainedTokenizerFast`` loaded from the same directory, and
 `Tokenizer.apply_chat_template` renders as transformers does: a sandboxed jinja2 environment
 (``ImmutableSandboxedEnvironment``) with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``raise_exception(message)`` global, a ``strftime_now(format)`` global and a ``tojson``
-filter that does not escape HTML (``json.dumps`` with ``ensure_ascii=False`` by default); the
-template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the named special
+extension, a ``{% generation %}`` block rendered as its body, a ``raise_exception(message)``
+global, a ``strftime_now(format)`` global and a ``tojson`` filter that does not escape HTML
+(``json.dumps`` with ``ensure_ascii=False`` by default); the template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the named special
 tokens as strings, and the caller's keyword arguments (which override the special tokens).
 
 Stop ids: `Tokenizer.eos_token_ids` are the ids generation ends on by the model's own declaration,
@@ -405,8 +405,22 @@ def _compile(source: str):
   def strftime_now(format):
     return datetime.now().strftime(format)
 
+  class Generation(ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks in
+    transformers): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
   environment = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                      extensions=[ext.loopcontrols])
+                                                      extensions=[Generation, ext.loopcontrols])
   environment.filters["tojson"] = tojson
   environment.globals["raise_exception"] = raise_exception
   environment.globals["strftime_now"] = strftime_now
