@@ -84,20 +84,29 @@ def wilson_interval(successes: np.ndarray, trials: np.ndarray, z: float = Z95) -
   return out
 
 
-def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
-                 z: float = Z95) -> tuple[float, float]:
-  """The interval of τ = 1 + Σ accepted / Σ rounds with prompts as the independent units (the
-  ratio estimator's delta-method standard error); a point interval with fewer than two prompts."""
-  keep = np.asarray(row_rounds) > 0
-  a, r = np.asarray(row_accepted, float)[keep], np.asarray(row_rounds, float)[keep]
+def ratio_interval(numerator: np.ndarray, denominator: np.ndarray,
+                   z: float = Z95) -> tuple[float, float]:
+  """The 95 % interval of Σ numerator / Σ denominator with the entries (prompts) as the
+  independent units: the ratio estimator's delta-method standard error. Entries with a zero
+  denominator are left out; NaN when none is left, a point interval with one."""
+  keep = np.asarray(denominator) > 0
+  a, r = np.asarray(numerator, float)[keep], np.asarray(denominator, float)[keep]
   if r.size == 0:
     return (float("nan"), float("nan"))
   ratio = a.sum() / r.sum()
   if r.size < 2:
-    return (1 + ratio, 1 + ratio)
+    return (float(ratio), float(ratio))
   residual = a - ratio * r
   se = np.sqrt(np.sum(residual**2) / (r.size * (r.size - 1))) / r.mean()
-  return (float(1 + ratio - z * se), float(1 + ratio + z * se))
+  return (float(ratio - z * se), float(ratio + z * se))
+
+
+def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
+                 z: float = Z95) -> tuple[float, float]:
+  """The interval of τ = 1 + Σ accepted / Σ rounds with prompts as the independent units
+  (`ratio_interval`); a point interval with fewer than two prompts."""
+  lo, hi = ratio_interval(row_accepted, row_rounds, z)
+  return (1 + lo, 1 + hi)
 
 
 def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = None,
