@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import subprocess
@@ -385,8 +384,8 @@ def bench_e2e(pairs: dict, *, batch: int, context: int, new_tokens: int, repeats
 
   Returns:
     ``{name: {"speculative": r, "autoregressive": r}}``; r holds "wall_s", "prefill_s", "rounds",
-    "per_iteration_s", "tau", "tokens" (generated), "tokens_sha1" (of the token array), "path",
-    "backend".
+    "per_iteration_s", "tau", "tokens" (how many generated), "token_ids" (the last call's [B, N]
+    tokens as lists, -1 after a row's end), "path", "backend".
   """
   rng = np.random.default_rng(7)
   vocab = next(iter(pairs.values()))[0].config.vocab_size
@@ -418,11 +417,10 @@ def bench_e2e(pairs: dict, *, batch: int, context: int, new_tokens: int, repeats
       prefill_s = float(np.median(prefills[name]))
       wall_s = float(np.median([r.wall_seconds for r in results[name]]))
       per_iter = (wall_s - prefill_s) / max(result.rounds, 1)
-      tokens = np.ascontiguousarray(np.asarray(result.tokens, np.int32))
       out[name][mode] = {
           "wall_s": wall_s, "prefill_s": prefill_s, "rounds": result.rounds,
           "per_iteration_s": per_iter, "tau": result.tau, "tokens": int(result.lengths.sum()),
-          "tokens_sha1": hashlib.sha1(tokens.tobytes()).hexdigest(), "path": result.path,
+          "token_ids": np.asarray(result.tokens).tolist(), "path": result.path,
           "backend": harness.describe_choice(result.backend)}
       print(f"  e2e {name + ' ' if name else ''}{mode}: {result.rounds} iterations, "
             f"{per_iter * 1e3:.3f} ms each (prefill {prefill_s * 1e3:.1f} ms), τ {result.tau:.3f}, "
@@ -487,13 +485,15 @@ def main(argv=None) -> int:
   for context in args.contexts:
     for batch in args.batches:
       label = f"context {context}, B={batch}"
+      shape_start = time.perf_counter()
       times, errors, choice = bench_round(target, draft, batch, context, args)
       gc.collect()
       part_floors = floors(part_costs(target, draft, batch, context), bandwidth, rate)
       results[(context, batch)] = {
           "context": context, "batch": batch, "seconds": times, "errors": errors,
           "floors": part_floors, "backend": choice.name, "backend_reason": choice.reason}
-      print(f"  {label}: block sampling on {harness.describe_choice(choice)}", flush=True)
+      print(f"  {label}: {time.perf_counter() - shape_start:.1f} s (compiling included); block "
+            f"sampling on {harness.describe_choice(choice)}", flush=True)
       for name in args.parts:
         if name not in times:
           continue

@@ -24,7 +24,7 @@ the values).
 
 Timing: a sample is ``--steps`` consecutive steps and one device sync, divided by the steps; the
 median of ``--repeats`` samples after ``--warmup`` samples (the first compiles and records the CUDA
-graphs). Between samples the cache is rolled back to `context` tokens (``cache.crop``, untimed).
+graphs). Between samples the cache is rolled back to `context` tokens (`rollback`, untimed).
 A shape that fails (e.g. out of memory) is reported and the others still run.
 
 JAX is imported (the shapes come from dspark_jax) but never started here, so that this can run in a
@@ -112,6 +112,18 @@ def fill(cache, model, batch: int, context: int, torch) -> None:
     cache.update(zeros, zeros, layer)
 
 
+def rollback(cache, kind: str, tokens: int) -> None:
+  """Forgets the last `tokens` tokens of every layer. Static layers: their fill counter
+  (``cumulative_length``, a tensor the compiled graph reads) is lowered in place, which is what
+  the newer transformers' ``StaticLayer.crop`` does (older ones have no such method); dynamic
+  layers: ``crop``."""
+  if kind == "static":
+    for layer in cache.layers:
+      layer.cumulative_length.sub_(tokens)
+  else:
+    cache.crop(-tokens)
+
+
 def time_steps(step, first, reset, sync, *, steps: int, repeats: int, warmup: int
                ) -> tuple[float, float]:
   """``(median seconds per step, seconds of the first warm-up sample)``; module docstring."""
@@ -158,7 +170,7 @@ def bench_cache(kind: str, model, batch: int, context: int, args, torch, transfo
                         generator=torch.Generator(model.device).manual_seed(batch))
   with torch.no_grad():
     seconds, first_s = time_steps(
-        step, first, lambda: cache.crop(-args.steps),
+        step, first, lambda: rollback(cache, kind, args.steps),
         torch.cuda.synchronize if cuda else (lambda: None),
         steps=args.steps, repeats=args.repeats, warmup=args.warmup)
   return {"seconds": seconds, "compiled": compiled, "first_sample_s": first_s}

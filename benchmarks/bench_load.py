@@ -15,8 +15,13 @@ Then, timed:
   tokens, ``--new-tokens`` new tokens, second call, prefill subtracted): ms per iteration,
   speculative and autoregressive.
 
-Checks: the loaded weights equal the in-memory ones bit for bit, and both pairs generate the same
-tokens (the same weights in the same programs); exit status 1 if either fails.
+Checks: every loaded array equals the in-memory one bit for bit, or (an array the pair keeps wider
+than the checkpoint's dtype, e.g. the float32 confidence head of a bf16 draft) its value rounded to
+that dtype; exit status 1 otherwise. Reported, not checked: how many rows of the two pairs'
+generations are identical. The two targets' configs differ in fields that leave the arithmetic
+alone (e.g. ``max_position_embeddings``, which a checkpoint always states), so their programs are
+compiled separately; on a GPU two compilations may round differently (autotuned kernels), and a
+sampled or near-tied token may then differ.
 
   python -m benchmarks.bench_load --small                        # CPU smoke check (tiny models)
   python -m benchmarks.bench_load --dir /tmp/pair --json load.json    # GPU
@@ -32,6 +37,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import dspark_jax as dj
@@ -75,16 +81,33 @@ def on_device_state(*models) -> None:
   jax.block_until_ready([nnx.state(m) for m in models if m is not None])
 
 
-def same_weights(a, b) -> bool:
-  """The two models have the same named arrays, equal bit for bit (compared on the device)."""
-  named_a = checkpoints.named_arrays(nnx.state(a))
-  named_b = checkpoints.named_arrays(nnx.state(b))
-  if set(named_a) != set(named_b):
-    return False
-  return all(named_a[k].dtype == named_b[k].dtype and named_a[k].shape == named_b[k].shape
-             and bool(jnp.all(jax.lax.bitcast_convert_type(named_a[k], jnp.uint8)
-                              == jax.lax.bitcast_convert_type(named_b[k], jnp.uint8)))
-             for k in named_a)
+def compare_weights(written, loaded, dtype) -> dict[str, list[str]]:
+  """Names of the arrays of two models by how they compare (on the device): "equal" bit for bit;
+  "rounded": equal once the written value is rounded to the checkpoint's `dtype` and back (an
+  array kept wider than the checkpoint's dtype in memory, e.g. a float32 confidence head in a bf16
+  pair); "different": anything else (a missing or extra name, a dtype, shape or value)."""
+  a = checkpoints.named_arrays(nnx.state(written))
+  b = checkpoints.named_arrays(nnx.state(loaded))
+  out = {"equal": [], "rounded": [], "different": sorted(set(a) ^ set(b))}
+  for name in sorted(set(a) & set(b)):
+    x, y = a[name], b[name]
+    if x.dtype != y.dtype or x.shape != y.shape:
+      out["different"].append(name)
+    elif bool(jnp.all(jax.lax.bitcast_convert_type(x, jnp.uint8)
+                      == jax.lax.bitcast_convert_type(y, jnp.uint8))):
+      out["equal"].append(name)
+    elif bool(jnp.all(x.astype(dtype).astype(x.dtype) == y)):
+      out["rounded"].append(name)
+    else:
+      out["different"].append(name)
+  return out
+
+
+def token_agreement(a: list, b: list) -> dict:
+  """Rows of two [B, N] token lists that are identical, and the fraction of equal positions."""
+  a, b = np.asarray(a), np.asarray(b)
+  return {"rows_identical": int(np.sum(np.all(a == b, axis=1))), "rows": int(a.shape[0]),
+          "positions_equal": float(np.mean(a == b))}
 
 
 def timed_load(target_dir: str, draft_dir: str, dtype):
@@ -124,18 +147,23 @@ def main(argv=None) -> int:
   finally:
     if args.dir is None:
       shutil.rmtree(root, ignore_errors=True)
-  weights_equal = same_weights(target, loaded_target) and same_weights(draft, loaded_draft)
-  print(f"loaded weights equal the in-memory ones bit for bit: {weights_equal}", flush=True)
+  weights = {"target": compare_weights(target, loaded_target, dtype),
+             "draft": compare_weights(draft, loaded_draft, dtype)}
+  for name, w in weights.items():
+    print(f"{name} weights, loaded against in memory: {len(w['equal'])} arrays equal bit for bit, "
+          f"{len(w['rounded'])} equal after rounding to {dtype.name} {w['rounded'][:4]}, "
+          f"{len(w['different'])} different {w['different'][:4]}", flush=True)
+  weights_ok = not weights["target"]["different"] and not weights["draft"]["different"]
 
   e2e = bench_decode.bench_e2e(
       {"in memory": (target, draft), "loaded": (loaded_target, loaded_draft)},
       batch=args.batch, context=args.context, new_tokens=args.new_tokens, repeats=args.repeats,
       backend=args.backend, config=args.backend_config)
   modes = ("speculative", "autoregressive")
-  same_tokens = all(e2e["in memory"][m]["tokens_sha1"] == e2e["loaded"][m]["tokens_sha1"]
-                    for m in modes)
+  agreement = {m: token_agreement(e2e["in memory"][m]["token_ids"], e2e["loaded"][m]["token_ids"])
+               for m in modes}
   meta.update(save_s=save_s, bytes_written=written, load_cold_s=cold_s, load_second_s=second_s,
-              weights_equal=weights_equal, same_tokens=same_tokens)
+              weights=weights, weights_ok=weights_ok, token_agreement=agreement)
 
   reference = {m: e2e["in memory"][m]["per_iteration_s"] for m in modes}
   rows = []
@@ -143,17 +171,18 @@ def main(argv=None) -> int:
     r = e2e[name]
     rows.append([name] + [f"{r[m]['per_iteration_s'] * 1e3:.3f}" for m in modes]
                 + [f"{r[m]['per_iteration_s'] / reference[m]:.3f}" for m in modes]
-                + [f"{r['speculative']['tau']:.3f}", f"{r['speculative']['prefill_s'] * 1e3:.1f}",
-                   "yes" if name == "in memory" or same_tokens else "NO"])
+                + [f"{r['speculative']['tau']:.3f}", f"{r['speculative']['prefill_s'] * 1e3:.1f}"]
+                + [f"{agreement[m]['rows_identical']}/{agreement[m]['rows']}" for m in modes])
   harness.finish(
       f"bench_load ({meta['device_kind']}, {dtype.name}; wrote {size_text(sum(written.values()))} "
       f"in {save_s:.1f} s; load_pretrained {cold_s:.2f} s first, {second_s:.2f} s second; weights "
-      f"equal: {'yes' if weights_equal else 'NO'}; generate B = {args.batch}, context "
-      f"{args.context}, {args.new_tokens} new tokens, ms per iteration, prefill subtracted)",
+      f"as written: {'yes' if weights_ok else 'NO'}; generate B = {args.batch}, context "
+      f"{args.context}, {args.new_tokens} new tokens, ms per iteration, prefill subtracted; rows "
+      "whose tokens equal the in-memory pair's)",
       ("pair", "spec ms", "AR ms", "spec / in memory", "AR / in memory", "spec τ",
-       "spec prefill ms", "same tokens"), rows,
+       "spec prefill ms", "spec rows same", "AR rows same"), rows,
       meta=meta, results={"e2e": e2e}, json_path=args.json)
-  return 0 if weights_equal and same_tokens else 1
+  return 0 if weights_ok else 1
 
 
 if __name__ == "__main__":

@@ -103,10 +103,15 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
       bench_load, "bench_load (", FAST + ["--dir", str(tmp_path / "pair")],
       tmp_path / "load.json", capsys)
   meta = saved["meta"]
-  assert meta["weights_equal"] and meta["same_tokens"]
+  assert meta["weights_ok"] and not meta["weights"]["target"]["different"]
+  assert meta["weights"]["target"]["equal"] and not meta["weights"]["target"]["rounded"]
+  assert meta["weights"]["draft"]["equal"] and not meta["weights"]["draft"]["different"]
+  # float32 on the CPU, the same programs: the two pairs decode the same tokens.
+  assert all(a["rows_identical"] == a["rows"] == 2 for a in meta["token_agreement"].values())
   assert meta["bytes_written"]["target"] > 0 and meta["bytes_written"]["draft"] > 0
   assert meta["load_cold_s"] > 0 and meta["load_second_s"] > 0
   assert (tmp_path / "pair" / "target" / "config.json").exists()
   assert (tmp_path / "pair" / "draft" / "config.json").exists()
   assert [row[0] for row in rows] == ["in", "loaded"]  # "in memory", split on spaces
+  assert rows[1][-2:] == ["2/2", "2/2"]
   assert set(saved["results"]["e2e"]) == {"in memory", "loaded"}
