@@ -14,6 +14,9 @@ def test_choose_falls_back_to_xla_off_the_gpu_and_for_float32():
   assert attention.choose(jnp.bfloat16, 256, "auto", platform="gpu") == "xla"
   assert attention.choose(jnp.bfloat16, 128, "auto", platform="gpu") == "cudnn"
   assert attention.choose(jnp.bfloat16, 128, "xla", platform="gpu") == "xla"
+  # auto: cuDNN for one query per row only; an explicit request for any number of queries
+  assert attention.choose(jnp.bfloat16, 128, "auto", platform="gpu", queries=8) == "xla"
+  assert attention.choose(jnp.bfloat16, 128, "cudnn", platform="gpu", queries=8) == "cudnn"
 
 
 def test_explicit_cudnn_names_the_failed_precondition(monkeypatch):

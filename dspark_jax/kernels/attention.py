@@ -8,8 +8,10 @@ This module owns the attention of the target and the draft layers (`models.layer
   cache). Same math; the probabilities are rounded to the value dtype before the second product, as
   in the ``xla`` form.
 
-`choose` decides from the platform, dtype and head size; ``auto`` (the default) takes ``cudnn``
-wherever its preconditions hold, else ``xla``. ``DSPARK_JAX_ATTENTION=auto|xla|cudnn`` overrides
+`choose` decides from the platform, dtype, head size and number of queries; ``auto`` (the default)
+takes ``cudnn`` for one query per row (the autoregressive step) wherever its preconditions hold,
+else ``xla``: on the H200 cuDNN was faster for one query and slower than the einsums for the 8
+queries of a verify pass and the γ of a draft block (BENCHMARKS.md, issue 29). ``DSPARK_JAX_ATTENTION=auto|xla|cudnn`` overrides
 ``auto``; an explicit ``cudnn`` whose precondition fails raises a `ValueError` naming it. The choice
 is made when a model is traced (shapes and dtypes are static), so it costs nothing at run time.
 """
@@ -43,11 +45,12 @@ def cudnn_precondition(dtype, head_dim: int, platform: str | None = None) -> str
 
 
 def choose(dtype, head_dim: int, implementation: str | None = None,
-           platform: str | None = None) -> str:
+           platform: str | None = None, queries: int = 1) -> str:
   """``"cudnn"`` or ``"xla"`` for queries of `dtype` and `head_dim`.
 
   Args:
-    dtype: the dtype of queries, keys and values. head_dim: D.
+    dtype: the dtype of queries, keys and values. head_dim: D. queries: T, queries per row
+      (``auto`` takes cuDNN only for T = 1).
     implementation: "auto", "xla" or "cudnn"; None reads ``$DSPARK_JAX_ATTENTION`` (default auto).
     platform: the JAX platform (default: the default backend's).
 
@@ -61,7 +64,7 @@ def choose(dtype, head_dim: int, implementation: str | None = None,
   failed = cudnn_precondition(dtype, head_dim, platform)
   if requested == "cudnn" and failed:
     raise ValueError(f"attention implementation 'cudnn': precondition failed: {failed}")
-  if requested == "xla" or failed:
+  if requested == "xla" or failed or (requested == "auto" and queries != 1):
     return "xla"
   return "cudnn"
 
@@ -93,6 +96,6 @@ def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> j
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
            implementation: str | None = None) -> jax.Array:
   """Grouped-query attention by the implementation `choose` picks for these inputs."""
-  if choose(q.dtype, q.shape[-1], implementation) == "cudnn":
+  if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
     return attend_cudnn(q, k, v, mask)
   return attend_xla(q, k, v, mask)
