@@ -450,6 +450,22 @@ def _decode_row(label, temperature, batch_size, results) -> ScheduleRow:
               tokens_per_second=pooled.tokens_per_second)
 
 
+class _NoBar:
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def close(self) -> None:
+    pass
+
+
+def _bar(total: int, desc: str, enabled: bool):
+  """A tqdm bar on stderr, or a stand-in (tqdm is not imported: no notebook-widget warning)."""
+  if not enabled:
+    return _NoBar()
+  from tqdm.auto import tqdm
+  return tqdm(total=total, desc=desc)
+
+
 def _check_specs(specs, sps) -> list[ScheduleSpec]:
   specs = list(specs)
   if not specs or not all(isinstance(s, ScheduleSpec) for s in specs):
@@ -480,12 +496,10 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
     ValueError: no specs, prefix/top_k without `sps`, a draft without a confidence head for a
       schedule that reads it, and `generate`'s own errors.
   """
-  from tqdm.auto import tqdm
-
   specs = _check_specs(specs, sps)
   built = {spec: spec.build(sps) for spec in specs}
   rows = []
-  bar = tqdm(total=len(specs) * len(temperatures), desc="schedules", disable=not progress)
+  bar = _bar(len(specs) * len(temperatures), "schedules", progress)
   for temperature in temperatures:
     for spec in specs:
       results = _decode_batches(target, draft, prompts, temperature=temperature,
@@ -505,8 +519,6 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
                      progress: bool = False) -> list[ScheduleRow]:
   """tokens/s of each schedule at each batch size: one `generate` call of b rows (the prompts
   cycled to fill it) per (schedule, b), its compilation excluded; one `ScheduleRow` each."""
-  from tqdm.auto import tqdm
-
   specs = _check_specs(specs, sps)
   if not prompts:
     raise ValueError("prompts: empty")
@@ -515,7 +527,7 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
       raise ValueError(f"batch_sizes: entry {b!r} must be an integer >= 1")
   built = {spec: spec.build(sps) for spec in specs}
   rows = []
-  bar = tqdm(total=len(specs) * len(batch_sizes), desc="throughput", disable=not progress)
+  bar = _bar(len(specs) * len(batch_sizes), "throughput", progress)
   for b in batch_sizes:
     batch = [prompts[i % len(prompts)] for i in range(int(b))]
     for spec in specs:
