@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.draft import heads
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
@@ -219,9 +220,25 @@ def target_from_arrays(config: tm.TargetConfig, arrays: dict[str, Any]) -> tm.Ta
 
 def draft_from_arrays(config: dm.DraftConfig, target_config: tm.TargetConfig,
                       arrays: dict[str, Any]) -> dm.DSparkDraft:
-  """A `DSparkDraft` of `config` (for a target of `target_config`) with parameters `arrays`."""
+  """A `DSparkDraft` of `config` (for a target of `target_config`) with parameters `arrays`.
+
+  An optional ``confidence.temperatures`` [γ] (calibrated, `dspark_jax.calibration.fit_sts`) goes
+  to the confidence head, which then applies them."""
   model = nnx.eval_shape(lambda: dm.DSparkDraft(config, target_config, rngs=nnx.Rngs(0)))
+  arrays = dict(arrays)
+  temperatures = arrays.pop("confidence.temperatures", None)
+  if temperatures is not None:
+    if not config.confidence:
+      raise ValueError("draft: tensor 'confidence.temperatures' but the config has no confidence "
+                       "head")
+    if tuple(np.shape(temperatures)) != (config.gamma,):
+      raise ValueError(f"draft: tensor 'confidence.temperatures' has shape "
+                       f"{tuple(np.shape(temperatures))}, expected ({config.gamma},)")
   nnx.update(model, replace_named(nnx.state(model, nnx.Param), arrays, what="draft"))
+  if temperatures is not None:
+    head = model.confidence.arrays()
+    head["temperatures"] = jnp.asarray(temperatures, head["w"].dtype)
+    model.confidence = nnx.data(heads.ConfidenceHead(head))
   return model
 
 
