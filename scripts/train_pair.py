@@ -56,7 +56,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from typing import NamedTuple
 
 import jax
@@ -83,7 +82,7 @@ MAX_PROMPTS = 96
 PROMPT_LINES, PROMPT_MIN_LINES = 12, 40
 ASSET_BYTES = 60 * 10**6
 STAGES = ("data", "target", "draft-data", "draft", "ablation", "calibrate", "export", "export-hf")
-BUDGETS = {"data": 50.0, "target": 190.0, "draft-data": 35.0, "draft": 70.0, "ablation": 60.0,
+BUDGETS = {"data": 50.0, "target": 190.0, "draft-data": 35.0, "draft": 80.0, "ablation": 70.0,
            "calibrate": 45.0, "export": 15.0, "export-hf": 10.0}
 """Default seconds per stage under ``--stage all`` (shares of ``--total-seconds``)."""
 FITTED = ("target", "draft")
@@ -183,14 +182,17 @@ def set_horizon(opt_state, total: int):
 
 
 def train_within(trainer: training.Trainer, batches, steps: int, seconds: float | None, *,
-                 fit: bool = True) -> dict:
+                 fit: bool = True, reserve: float = 0.0) -> dict:
   """Trains to `steps` total steps, within `seconds` of wall time when given.
 
   With a budget: one step (the compile), `PROBE_STEPS` more to measure the rate, then (``fit``) the
-  step count and the schedule's horizon become what the rest of the budget allows (at most
-  `steps`); the trainer's own time limit stops it at the budget in any case.
+  step count and the schedule's horizon become what the rest of the budget, less `reserve` seconds
+  for the stage's work after training, allows (at most `steps`); the trainer's own time limit stops
+  it there in any case.
   """
   start = time.perf_counter()
+  if seconds is not None:
+    seconds = max(seconds - reserve, 0.0)
   info = {"requested_steps": steps, "budget_s": seconds, "start_step": trainer.step}
   if seconds is not None and trainer.step < steps:
     saved_to, trainer.checkpoint_path = trainer.checkpoint_path, None  # no saves while timing
@@ -281,14 +283,16 @@ def stage_data(args, budget):
   if os.path.exists(path(args, "tokenizer.json")):  # keep a tokenizer trained before
     tokenizer = data.load_tokenizer(path(args, "tokenizer.json"))
   else:
-    sample, size = [], 0
-    for i in train_idx:  # corpus order: the standard library first, then the packages mixed
-      if size >= args.tokenizer_mb * 1e6:
+    sample, sample_bytes = [], 0
+    for i in sorted(train_idx, key=lambda i: data.priority(corpus.files[i])[1]):  # all mixed
+      if sample_bytes >= args.tokenizer_mb * 1e6:
         break
       sample.append(corpus.texts[i])
-      size += corpus.files[i].size
+      sample_bytes += corpus.files[i].size
     tokenizer = data.train_tokenizer(sample, vocab_size=512 if args.tiny else args.vocab)
     tokenizer.save(path(args, "tokenizer.json"))
+    with open(path(args, "tokenizer_sample.json"), "w") as f:
+      json.dump({"files": len(sample), "bytes": sample_bytes}, f)
   tokenizer_seconds = time.perf_counter() - start - read_seconds
 
   def encode(indices):
@@ -305,7 +309,7 @@ def stage_data(args, budget):
       chunk = []
       if deadline is not None and time.perf_counter() > deadline:
         break
-  size = lambda indices: sum(corpus.files[i].size for i in indices)
+  nbytes = lambda indices: sum(corpus.files[i].size for i in indices)
   stdlib_held = [a for a, i in zip(held, held_idx) if corpus.files[i].source == data.STDLIB]
   streams = {"train_tokens": data.join(train + calib), "heldout_tokens": data.join(held),
              "heldout_stdlib_tokens": data.join(stdlib_held)}
@@ -326,14 +330,14 @@ def stage_data(args, budget):
   info.update(
       train_tokens=int(streams["train_tokens"].size),
       train_files_encoded=used + len(calib_idx), train_files_cut=len(main_idx) - used,
-      train_bytes_encoded=size(main_idx[:used]) + size(calib_idx),
+      train_bytes_encoded=nbytes(main_idx[:used]) + nbytes(calib_idx),
       calibration_rule=f"train files with crc32(key) % {modulus} == 1; the draft's prompts come "
                        "from the other train files",
       calibration_files=len(calib_idx), calibration_start=int(sum(a.size for a in train)),
       heldout_tokens=int(streams["heldout_tokens"].size),
       heldout_stdlib_tokens=int(streams["heldout_stdlib_tokens"].size),
-      vocab_size=tokenizer.get_vocab_size(), tokenizer_bytes=min(size(train_idx),
-                                                                 int(args.tokenizer_mb * 1e6)),
+      vocab_size=tokenizer.get_vocab_size(),
+      tokenizer_sample=read_json(args, "tokenizer_sample.json"),
       prompts=len(prompts), prompt_keys=prompt_keys,
       seconds={"read": read_seconds, "tokenizer": tokenizer_seconds,
                "total": time.perf_counter() - start})
@@ -379,7 +383,8 @@ def stage_target(args, budget):
       model, lambda m, _, b: training.lm_loss(m, b),
       fitted_optimizer(args.target_lr, warmup, steps),
       checkpoint_path=path(args, "target_train.safetensors"), checkpoint_every=args.checkpoint_every)
-  run = train_within(trainer, training.lm_batches(stream, batch, length, seed=0), steps, budget)
+  run = train_within(trainer, training.lm_batches(stream, batch, length, seed=0), steps, budget,
+                     reserve=15.0)
   streams = {"heldout": np.load(path(args, "heldout_tokens.npy")),
              "heldout_stdlib": np.load(path(args, "heldout_stdlib_tokens.npy"))}
   ce = evaluate_lm(model, streams, length, windows=16 if args.tiny else 256, batch=batch)
@@ -439,18 +444,21 @@ def stage_draft(args, budget, markov: bool):
   if not markov:  # the ablation's head contributes nothing: bias = W1[x] @ 0
     draft.head.w2[...] = jnp.zeros_like(draft.head.w2[...])
     # The drafter's step count and schedule, so that the two differ only in the head.
-    steps, fit = read_json(args, "draft_log.json")["run"]["horizon"], False
+    drafter = read_json(args, "draft_log.json")
+    steps, horizon, fit = drafter["steps"], drafter["run"]["horizon"], False
   else:
-    steps, fit = args.draft_steps or (30 if args.tiny else 100_000), True
+    steps = horizon = args.draft_steps or (30 if args.tiny else 100_000)
+    fit = True
   warmup = 3 if args.tiny else 100
   trainer = training.Trainer(
       draft, lambda m, t, b: training.dspark_loss(m, t, *b, use_markov=markov),
-      fitted_optimizer(args.draft_lr, warmup, steps), frozen=target,
+      fitted_optimizer(args.draft_lr, warmup, horizon), frozen=target,
       checkpoint_path=path(args, f"{name}_train.safetensors"),
       checkpoint_every=args.checkpoint_every)
   batches = training.draft_batches(sequences, 8 if args.tiny else 32, 8, gamma(args.tiny),
                                    first_anchor=PROMPT_TOKENS - 1, seed=2)
-  run = train_within(trainer, batches, steps, budget, fit=fit)
+  run = train_within(trainer, batches, steps, budget, fit=fit, reserve=3.0)
+  run["horizon"] = run["horizon"] if fit else horizon
   checkpoints.save_model(path(args, f"{name}.safetensors"), draft,
                          metadata={"steps": trainer.step, "markov": markov,
                                    "history": trainer.history[-5:]})
@@ -496,16 +504,28 @@ def stage_calibrate(args, budget):
   params = dj.SamplingParams(temperature=row_temperature,
                              seed=np.arange(len(row_temperature)) + 1000)
   new_tokens = 16 if args.tiny else 128
+  # XLA draft blocks: one decode, where the GPU kernels would add compile time and nothing else.
   result = dj.generate(target, draft, cal_prompts + sample_prompts, params, jax.random.key(11),
-                       max_new_tokens=new_tokens, trace=True)
+                       max_new_tokens=new_tokens, trace=True, backend="xla")
   trace = result.trace
   rows = np.broadcast_to(np.arange(len(row_temperature)), trace.active.shape)
   keep = trace.active & (trace.verify_lens == draft.config.gamma + 1) & (rows < n_cal)
   confidence = np.asarray(trace.confidence)[keep].astype(np.float64)
   accept_len = np.asarray(trace.accept_len)[keep]
-  round_temperature = row_temperature[rows[keep]]
+  round_row = rows[keep]
+  round_temperature = row_temperature[round_row]
+  as_stored = lambda t: np.asarray(jnp.asarray(t, jnp.bfloat16).astype(jnp.float32), np.float64)
   fitted = calibration.fit_sts(confidence, accept_len)
-  stored = np.asarray(jnp.asarray(fitted, jnp.bfloat16).astype(jnp.float32), np.float64)
+  stored = as_stored(fitted)
+  # An out-of-sample check: temperatures fitted on half the prompts, measured on the other half
+  # (prompts in pairs, so that both halves hold every row temperature).
+  first = (round_row // len(temps)) % 2 == 0
+  check = None
+  if first.any() and (~first).any():
+    half = as_stored(calibration.fit_sts(confidence[first], accept_len[first]))
+    check = dict(fit_rounds=int(first.sum()), eval_rounds=int((~first).sum()),
+                 temperatures=half.tolist(),
+                 **_metrics(confidence[~first], accept_len[~first], half))
   np.savez(path(args, "calibration.npz"), confidence=confidence, accept_len=accept_len,
            temperature=round_temperature, fitted=fitted, stored=stored)
 
@@ -533,7 +553,7 @@ def stage_calibrate(args, budget):
   log = {"prompts": n_cal, "max_new_tokens": new_tokens,
          "temperatures_of_rows": [float(t) for t in temps], "rounds": int(keep.sum()),
          "fitted_temperatures": fitted.tolist(), "stored_temperatures": stored.tolist(),
-         "groups": by_group,
+         "groups": by_group, "out_of_sample": check,
          "greedy_samples": {"count": len(samples),
                             "loops": int(sum(s["loop"] for s in samples)),
                             "mean_repeated_4grams": float(np.mean(
@@ -542,8 +562,10 @@ def stage_calibrate(args, budget):
          "seconds": time.perf_counter() - start}
   log_json(args, "calibration_log.json", log)
   whole = by_group["all"]
+  held = "" if check is None else (f" (out of sample {np.mean(check['ece_before']):.3f} -> "
+                                   f"{np.mean(check['ece_after']):.3f})")
   return (f"{log['rounds']} rounds, tau {whole['tau']:.2f}, ECE mean "
-          f"{np.mean(whole['ece_before']):.3f} -> {np.mean(whole['ece_after']):.3f}; greedy "
+          f"{np.mean(whole['ece_before']):.3f} -> {np.mean(whole['ece_after']):.3f}{held}; greedy "
           f"samples: {log['greedy_samples']['loops']}/{len(samples)} loop, repeated 4-grams "
           f"{log['greedy_samples']['mean_repeated_4grams']:.2f}")
 
@@ -581,7 +603,7 @@ def stage_export(args, budget):
     cal = read_json(args, "calibration_log.json")
     manifest["calibration"] = {k: cal[k] for k in (
         "prompts", "max_new_tokens", "temperatures_of_rows", "rounds", "fitted_temperatures",
-        "stored_temperatures", "groups", "greedy_samples")}
+        "stored_temperatures", "groups", "out_of_sample", "greedy_samples")}
   else:
     manifest["calibration"] = None
   manifest["training"] = dict(
@@ -698,12 +720,14 @@ def main(argv=None):
   parser.add_argument("--checkpoint-every", type=int, default=10**9,
                       help="resumable training checkpoints every so many steps (and at the end)")
   parser.add_argument("--max-seconds", type=float, default=None, help="budget of a single stage")
-  parser.add_argument("--total-seconds", type=float, default=480.0,
+  parser.add_argument("--total-seconds", type=float, default=450.0,
                       help="--stage all: seconds for every stage together")
   parser.add_argument("--budgets", default=None,
                       help="--stage all: stage=seconds shares replacing the defaults "
                            f"({', '.join(f'{k}={v:g}' for k, v in BUDGETS.items())})")
   args = parser.parse_args(argv)
+  if args.stage == "export-hf" and not args.hf_dir:
+    parser.error("--stage export-hf needs --hf-dir")
   args.packages = [p.strip() for p in args.packages.split(",") if p.strip()]
   args.max_corpus_mb = args.max_corpus_mb or None
   try:
@@ -735,9 +759,9 @@ def main(argv=None):
       result = RUNNERS[stage](args, budget)
       rows.append((stage, time.perf_counter() - stage_start, budget, result))
       print(f"== stage {stage} done in {rows[-1][1]:.1f} s: {result}", flush=True)
-  except Exception:
-    traceback.print_exc()
-    rows.append((stages[len(rows)], 0.0, None, "FAILED (traceback above)"))
+  except BaseException as error:
+    rows.append((stages[len(rows)], 0.0, None,
+                 f"FAILED: {type(error).__name__}: {str(error)[:300]} (traceback below)"))
     raise
   finally:
     elapsed = time.perf_counter() - start
