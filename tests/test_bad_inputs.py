@@ -419,7 +419,7 @@ def test_probe_decides_from_shapes_alone():
      "argument --headroom-gib: must be a finite number >= 0, got 'nan'"),
     (["probe", "--max-batch-size", "2", "--vocab", "64", "--gamma", "2", "--headroom-gib", "inf"],
      "argument --headroom-gib: must be a finite number >= 0, got 'inf'"),
-    (["eval", "--temperatures", "abc"], "argument --temperatures: expected comma-separated numbers"),
+    (["eval", "--temperatures", "abc"], "argument --temperatures/--temperature: expected comma-separated numbers"),
     (["demo", "--first-prompt", "-1"], "argument --first-prompt: must be >= 0"),
     (["demo", "--first-prompt", "1000"], "argument --first-prompt: 1000 is past the last"),
 ])
