@@ -88,6 +88,26 @@ BUDGETS = {"data": 50.0, "target": 190.0, "draft-data": 35.0, "draft": 80.0, "ab
 FITTED = ("target", "draft")
 """Stages whose step count is fitted to their budget (they may use up to 1.3x their share)."""
 PROBE_STEPS = 30
+RECIPE = {
+    "corpus": "the interpreter's standard library and the installed scientific packages' .py files "
+              "(corpus.sources), deduplicated by content; split by file key (corpus.split_rule)",
+    "schedule": "AdamW (b1 0.9, b2 0.95, wd 0.01, grad-norm 1.0), linear warm-up over 100 steps, "
+                "cosine to 10 % at a horizon fitted to the stage's time budget after a 30-step "
+                "probe of the step rate (files.*.run.horizon)",
+    "target": "next-token cross-entropy on random 512-token windows of the train split, batch 64",
+    "draft_data": "64-token prompts from train files outside the calibration files, continued by "
+                  "the target for 192 tokens, half greedy, half T = 1",
+    "draft": "docs/design.md: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position weights "
+             "exp(-(k-1)/4), block 7, 8 random anchors per sequence in the generated part, batch "
+             "32 sequences, vanilla sequential head",
+    "ablation": "the same without the sequential head (W2 = 0: a DFlash-style parallel drafter), "
+                "same data, seed, step count and schedule",
+    "calibration": "STS (dspark_jax.calibration.fit_sts) on fixed-schedule speculative decodes "
+                   "(every position verified) of 64-token calibration-file prompts; temperatures "
+                   "rounded to bf16 and stored in the draft's confidence head; ECE and AUC per "
+                   "position before and after, in sample and with temperatures fitted on half the "
+                   "prompts (out_of_sample)",
+}
 
 
 # ---- configurations -------------------------------------------------------------------------------
@@ -300,13 +320,14 @@ def stage_data(args, budget):
 
   held = encode(held_idx)
   calib = encode(calib_idx)
-  train, used, chunk = [], 0, []
+  train, used, chunk, chunk_bytes = [], 0, [], 0
   for n, i in enumerate(main_idx):  # in chunks, so that a time budget can cut the train split
     chunk.append(i)
-    if sum(corpus.files[j].size for j in chunk) >= 8e6 or n == len(main_idx) - 1:
+    chunk_bytes += corpus.files[i].size
+    if chunk_bytes >= 8e6 or n == len(main_idx) - 1:
       train.extend(encode(chunk))
       used += len(chunk)
-      chunk = []
+      chunk, chunk_bytes = [], 0
       if deadline is not None and time.perf_counter() > deadline:
         break
   nbytes = lambda indices: sum(corpus.files[i].size for i in indices)
@@ -337,7 +358,8 @@ def stage_data(args, budget):
       heldout_tokens=int(streams["heldout_tokens"].size),
       heldout_stdlib_tokens=int(streams["heldout_stdlib_tokens"].size),
       vocab_size=tokenizer.get_vocab_size(),
-      tokenizer_sample=read_json(args, "tokenizer_sample.json"),
+      tokenizer_sample=(read_json(args, "tokenizer_sample.json")
+                        if os.path.exists(path(args, "tokenizer_sample.json")) else None),
       prompts=len(prompts), prompt_keys=prompt_keys,
       seconds={"read": read_seconds, "tokenizer": tokenizer_seconds,
                "total": time.perf_counter() - start})
@@ -606,13 +628,7 @@ def stage_export(args, budget):
         "stored_temperatures", "groups", "out_of_sample", "greedy_samples")}
   else:
     manifest["calibration"] = None
-  manifest["training"] = dict(
-      shipped.RECIPE,
-      schedule="AdamW (b2 0.95, wd 0.01), linear warm-up over a fixed number of steps, cosine to "
-               "10 % at a horizon fitted to the stage's time budget after a probe of the step rate",
-      calibration="STS (dspark_jax.calibration.fit_sts) on fixed-schedule speculative decodes of "
-                  "calibration-file prompts; temperatures rounded to bf16 and stored in the "
-                  "draft's confidence head")
+  manifest["training"] = RECIPE
   with open(os.path.join(args.export, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=2)
   total = sum(os.path.getsize(os.path.join(args.export, f)) for f in os.listdir(args.export))
