@@ -8,9 +8,10 @@ table last):
               content, capped at ``--max-corpus-mb``; the deterministic split by file (held out iff
               crc32(key) % 20 == 0; calibration files crc32(key) % 100 == 1 among the train files); a
               byte-level BPE tokenizer (vocab ``--vocab``, <|endoftext|> = 0, <|mask|> = 1) trained on
-              the first ``--tokenizer-mb`` of the train split; token arrays; held-out prompts.
-  target      a Qwen3-style target LM on the train tokens; held-out CE on all held-out files and on
-              the standard-library ones, and nats per byte.
+              ``--tokenizer-mb`` of train files in sha256(key) order; token arrays; held-out prompts.
+  target      a Qwen3-style target LM (12 layers of width 384, 22 M parameters) on the train
+              tokens; held-out CE on all held-out files and on the standard-library ones, and nats
+              per byte.
   draft-data  the drafter's data: target continuations of train-split prompts outside the
               calibration files (as DeepSpec regenerates answers with the target): 64-token prompts,
               192 generated tokens, half the rows greedy and half sampled at T = 1.
@@ -41,8 +42,11 @@ without a budget repeats a run. The ablation takes the drafter's step count and 
 the shares); a single stage uses ``--max-seconds`` (none: no limit, no fitting).
 
 Usage (from the repository root; ``--work`` holds everything between stages, default runs/pycorpus):
-  PYTHONPATH=. python3 scripts/train_pair.py --stage all --export $OUT/assets --hf-dir $OUT/hf
+  PYTHONPATH=. python3 scripts/train_pair.py --stage all --work /tmp/pair --export $OUT/assets \
+      --logs $OUT/logs
   PYTHONPATH=. python3 scripts/train_pair.py --stage target --max-seconds 200
+  PYTHONPATH=. python3 scripts/train_pair.py --stage export-hf --export dspark_jax/assets \
+      --hf-dir /tmp/pair_hf
 Add ``--tiny`` for a CPU smoke run with toy sizes.
 """
 
