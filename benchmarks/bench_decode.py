@@ -98,10 +98,7 @@ def part_list(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--batches", type=harness.int_list, default=None,
-                      help="comma list of batch sizes (default 1,16,64,128; --small: 2)")
-  parser.add_argument("--contexts", type=harness.int_list, default=None,
-                      help="comma list of context lengths in tokens (default 1024,4096; --small: 32)")
+  harness.add_grid_arguments(parser)
   parser.add_argument("--context", type=int, default=None, help="one context (= --contexts N)")
   parser.add_argument("--parts", type=part_list, default=list(PARTS),
                       help=f"comma list of the parts to time (default all: {', '.join(PARTS)})")

@@ -61,10 +61,7 @@ CACHES = ("static", "dynamic")
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--batches", type=harness.int_list, default=None,
-                      help="comma list of batch sizes (default 1,16,64,128; --small: 2)")
-  parser.add_argument("--contexts", type=harness.int_list, default=None,
-                      help="comma list of context lengths in tokens (default 1024,4096; --small: 32)")
+  harness.add_grid_arguments(parser)
   parser.add_argument("--steps", type=int, default=None,
                       help=f"decode steps per sample, 1..{HEADROOM} (default 8; --small: 2)")
   parser.add_argument("--caches", default=",".join(CACHES),

@@ -282,6 +282,14 @@ def int_list(text: str) -> list[int]:
   return values
 
 
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+  """``--batches`` and ``--contexts``: the decode benchmarks' grid (comma lists)."""
+  parser.add_argument("--batches", type=int_list, default=None,
+                      help="comma list of batch sizes (default 1,16,64,128; --small: 2)")
+  parser.add_argument("--contexts", type=int_list, default=None,
+                      help="comma list of context lengths in tokens (default 1024,4096; --small: 32)")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, warmup: int,
                          backend: bool = True) -> None:
   """--small, --repeats, --warmup, --json and (with `backend`) --backend and --config."""
