@@ -55,6 +55,13 @@ def test_parse_schedules_reads_names_and_values():
   assert specs[2].build(table) is not specs[2].build(np.full(33, 6.0))
   with pytest.raises(ValueError, match="^sps: prefix needs a throughput table"):
     specs[2].build()
+  # The study functions check their arguments before decoding anything.
+  with pytest.raises(ValueError, match="^sps: prefix, top_k:2 need a throughput table"):
+    ss.compare_schedules(None, None, [[1]], specs[1:4])
+  with pytest.raises(ValueError, match="^batch_sizes: entry 0 must be an integer >= 1"):
+    ss.throughput_sweep(None, None, [[1]], specs[:1], [1, 0])
+  with pytest.raises(ValueError, match="^prompts: empty"):
+    ss.throughput_sweep(None, None, [], specs[:1], [1])
 
 
 @pytest.mark.parametrize("text, match", [

@@ -19,7 +19,7 @@ This module owns measuring what the confidence-scheduled verification of SPEC §
   included), the acceptance rate (accepted drafts over drafts placed in the verify batch, i.e.
   Σ accept_len / Σ (verify_len − 1)) with its interval, per-position conditional acceptance and
   tokens/s (compilation excluded). `throughput_sweep` measures tokens/s per schedule at several
-  batch sizes (one call each, prompts cycled to fill the batch).
+  batch sizes on the same prompts.
 * **Replay.** `replay` and `threshold_sweep` evaluate a schedule on the rounds of a fixed-schedule
   trace without decoding again: a round whose verify batch holds ℓ drafts accepts min(A, ℓ) of them,
   A being the run the full verification accepted (same draws, same acceptance tests). Each round
@@ -517,8 +517,9 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
                      temperature: float = 0.0, max_new_tokens: int = 128,
                      stop_token_ids: Sequence[int] = (), seed: int = 0,
                      progress: bool = False) -> list[ScheduleRow]:
-  """tokens/s of each schedule at each batch size: one `generate` call of b rows (the prompts
-  cycled to fill it) per (schedule, b), its compilation excluded; one `ScheduleRow` each."""
+  """tokens/s of each schedule at each batch size b, on the same work: `prompts` decoded b at a
+  time (cycled up to b rows when there are fewer), compilation excluded; one `ScheduleRow` per
+  (b, schedule)."""
   specs = _check_specs(specs, sps)
   if not prompts:
     raise ValueError("prompts: empty")
@@ -529,7 +530,7 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
   rows = []
   bar = _bar(len(specs) * len(batch_sizes), "throughput", progress)
   for b in batch_sizes:
-    batch = [prompts[i % len(prompts)] for i in range(int(b))]
+    batch = [prompts[i % len(prompts)] for i in range(max(int(b), len(prompts)))]
     for spec in specs:
       results = _decode_batches(target, draft, batch, temperature=temperature, batch_size=int(b),
                                 max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
