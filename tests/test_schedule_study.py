@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 from dspark_jax import decoding
+from dspark_jax.apps import calibration_study as cs
 from dspark_jax.apps import cli
 from dspark_jax.apps import evaluation
 from dspark_jax.apps import schedule_study as ss
+from dspark_jax.apps import study_figures
+from dspark_jax.apps.schedule_specs import ScheduleSpec, parse_schedules
 from dspark_jax.scheduling import calibration
 from dspark_jax.scheduling import schedules
 
@@ -45,7 +48,7 @@ def synthetic_traces(seed=0, rounds=30, batch=4, gamma=3, traces=2):
 
 
 def test_parse_schedules_reads_names_and_values():
-  specs = ss.parse_schedules("fixed, threshold:0.5,prefix,top_k,top_k:0")
+  specs = parse_schedules("fixed, threshold:0.5,prefix,top_k,top_k:0")
   assert [s.label for s in specs] == ["fixed", "threshold:0.5", "prefix", "top_k:2", "top_k:0"]
   assert [s.needs_sps for s in specs] == [False, False, True, True, True]
   assert [s.lossless for s in specs] == [True, True, True, True, False]
@@ -77,7 +80,7 @@ def test_parse_schedules_reads_names_and_values():
 ])
 def test_parse_schedules_names_the_bad_entry(text, match):
   with pytest.raises(ValueError, match=match):
-    ss.parse_schedules(text)
+    parse_schedules(text)
 
 
 def test_flags_are_named_before_any_model_loads(tmp_path, capsys):
@@ -118,8 +121,8 @@ def test_flags_are_named_before_any_model_loads(tmp_path, capsys):
 
 def test_replay_of_fixed_is_the_trace():
   traces = synthetic_traces()
-  row = ss.replay(traces, ss.ScheduleSpec("fixed"))
-  confidence, accept = ss.full_rounds(traces)
+  row = ss.replay(traces, ScheduleSpec("fixed"))
+  confidence, accept = cs.full_rounds(traces)
   assert row.rounds == accept.size == sum(int(t.active.sum()) for t in traces)
   assert row.tau == pytest.approx(1 + accept.mean(), rel=1e-12)
   assert row.verify_tokens == 4.0 and row.source == "replay" and math.isnan(row.tokens_per_second)
@@ -133,7 +136,7 @@ def test_threshold_sweep_is_the_threshold_schedule_replayed():
   thresholds = [0.0, 0.3, 0.5, 0.8, 1.0]
   sweep = ss.threshold_sweep(traces, thresholds)
   for i, t in enumerate(thresholds):
-    row = ss.replay(traces, ss.ScheduleSpec("threshold", t))
+    row = ss.replay(traces, ScheduleSpec("threshold", t))
     assert sweep.tau[i] == pytest.approx(row.tau, rel=1e-12)
     assert sweep.verify_tokens[i] == pytest.approx(row.verify_tokens, rel=1e-12)
     if math.isnan(row.acceptance_rate):
@@ -156,28 +159,28 @@ def test_threshold_sweep_is_the_threshold_schedule_replayed():
 def test_replay_of_prefix_follows_the_table():
   traces = synthetic_traces(seed=2)
   flat = np.full(4 * 4 + 1, 7.0)  # every admission raises τ·sps: all drafts verified
-  fixed = ss.replay(traces, ss.ScheduleSpec("fixed"))
-  row = ss.replay(traces, ss.ScheduleSpec("prefix"), sps=flat)
+  fixed = ss.replay(traces, ScheduleSpec("fixed"))
+  row = ss.replay(traces, ScheduleSpec("prefix"), sps=flat)
   assert (row.tau, row.verify_tokens) == (fixed.tau, fixed.verify_tokens)
   steep = 100.0 / np.arange(1, 18) ** 2  # each extra token costs more than it can bring
   steep = np.concatenate([[0.0], steep])
-  row = ss.replay(traces, ss.ScheduleSpec("prefix"), sps=steep)
+  row = ss.replay(traces, ScheduleSpec("prefix"), sps=steep)
   assert row.verify_tokens == 1.0 and row.tau == 1.0
-  lagged = ss.replay(traces, ss.ScheduleSpec("top_k", 2), sps=flat)
+  lagged = ss.replay(traces, ScheduleSpec("top_k", 2), sps=flat)
   assert lagged.verify_tokens == fixed.verify_tokens  # the budget covers every candidate
   with pytest.raises(ValueError, match="^sps: top_k:2 need a throughput table"):
-    ss.replay(traces, ss.ScheduleSpec("top_k", 2))
+    ss.replay(traces, ScheduleSpec("top_k", 2))
 
 
 def test_full_rounds_and_ratio_interval():
   traces = synthetic_traces(seed=3, traces=1)
   traces[0] = traces[0].replace(verify_lens=np.where(traces[0].active, 2, 0).astype(np.int32))
   with pytest.raises(ValueError, match="no active round verified every position"):
-    ss.full_rounds(traces)
+    cs.full_rounds(traces)
   nan = synthetic_traces(seed=3, traces=1)[0]
   nan = nan.replace(confidence=np.full_like(nan.confidence, np.nan))
   with pytest.raises(ValueError, match="NaN confidences"):
-    ss.full_rounds([nan])
+    cs.full_rounds([nan])
   lo, hi = evaluation.ratio_interval([2, 4, 3], [4, 4, 4])
   assert lo < 0.75 < hi
   assert evaluation.ratio_interval([1], [2]) == (0.5, 0.5)
@@ -189,20 +192,20 @@ def test_full_rounds_and_ratio_interval():
 
 
 def test_calibration_file_round_trip(tmp_path):
-  confidence, accept = ss.full_rounds(synthetic_traces(seed=4))
-  result = ss.fit_calibration(confidence, accept, bins=10)
+  confidence, accept = cs.full_rounds(synthetic_traces(seed=4))
+  result = cs.fit_calibration(confidence, accept, bins=10)
   np.testing.assert_array_equal(result.temperatures, calibration.fit_sts(confidence, accept, bins=10))
   np.testing.assert_array_equal(result.ece_after,
                                 calibration.ece(confidence, accept, result.temperatures, bins=10))
-  path = ss.save_calibration(tmp_path / "t.json", result, {"pair": "synthetic"})
-  np.testing.assert_array_equal(ss.load_temperatures(path), result.temperatures)
+  path = cs.save_calibration(tmp_path / "t.json", result, {"pair": "synthetic"})
+  np.testing.assert_array_equal(cs.load_temperatures(path), result.temperatures)
   assert json.load(open(path))["pair"] == "synthetic"
   (tmp_path / "bad.json").write_text("{")
   with pytest.raises(ValueError, match="bad.json: not valid JSON"):
-    ss.load_temperatures(tmp_path / "bad.json")
+    cs.load_temperatures(tmp_path / "bad.json")
   (tmp_path / "bad.json").write_text('{"temps": [1]}')
   with pytest.raises(ValueError, match="non-empty 'temperatures' list"):
-    ss.load_temperatures(tmp_path / "bad.json")
+    cs.load_temperatures(tmp_path / "bad.json")
 
 
 def _row(schedule, batch, tps, tau=2.0, verify=4.0):
@@ -216,15 +219,14 @@ def test_figures_are_written_without_touching_the_backend(tmp_path):
 
   backend = matplotlib.get_backend()
   traces = synthetic_traces(seed=5)
-  confidence, accept = ss.full_rounds(traces)
-  result = ss.fit_calibration(confidence, accept, traces=traces)
-  paths = [ss.plot_reliability(result, tmp_path / "rel.png"),
-           ss.plot_threshold_sweep({"raw": ss.threshold_sweep(traces),
-                                    "STS": ss.threshold_sweep(traces,
-                                                              temperatures=result.temperatures)},
-                                   tmp_path / "sweep.png"),
-           ss.plot_throughput([_row(s, b, 10.0 * b) for s in ("fixed", "prefix") for b in (1, 2, 4)],
-                              tmp_path / "tps.png", sps=np.linspace(20, 5, 40))]
+  confidence, accept = cs.full_rounds(traces)
+  result = cs.fit_calibration(confidence, accept, traces=traces)
+  sweeps = {"raw": ss.threshold_sweep(traces),
+            "STS": ss.threshold_sweep(traces, temperatures=result.temperatures)}
+  rows = [_row(s, b, 10.0 * b) for s in ("fixed", "prefix") for b in (1, 2, 4)]
+  paths = [study_figures.plot_reliability(result, tmp_path / "rel.png"),
+           study_figures.plot_threshold_sweep(sweeps, tmp_path / "sweep.png"),
+           study_figures.plot_throughput(rows, tmp_path / "tps.png", sps=np.linspace(20, 5, 40))]
   assert paths == [str(tmp_path / n) for n in ("rel.png", "sweep.png", "tps.png")]
   for path in paths:
     with open(path, "rb") as f:
@@ -254,9 +256,9 @@ def test_calibrate_writes_the_sts_fit_of_its_trace(tmp_path, capsys):
   document = json.load(open(out))
   pair = shipped.load_shipped()
   ids = [pair.encode(t) for t in pair.prompts[42:45]]
-  traces = ss.trace_rounds(pair.target, pair.draft, ids, temperatures=[0.0], batch_size=4,
+  traces = cs.trace_rounds(pair.target, pair.draft, ids, temperatures=[0.0], batch_size=4,
                            max_new_tokens=16, stop_token_ids=pair.tokenizer.stop_token_ids)
-  confidence, accept = ss.full_rounds(traces)
+  confidence, accept = cs.full_rounds(traces)
   assert document["rounds"] == accept.size
   np.testing.assert_array_equal(document["temperatures"], calibration.fit_sts(confidence, accept))
   np.testing.assert_allclose(document["ece_before"], calibration.ece(confidence, accept),
@@ -310,17 +312,17 @@ def test_calibrated_draft_saves_its_temperatures(tmp_path):
   target = tm.TargetModel(target_config, rngs=nnx.Rngs(0))
   draft = dm.DSparkDraft(config, target_config, rngs=nnx.Rngs(1))
   with pytest.raises(ValueError, match=r"^temperatures: expected 3 values"):
-    ss.with_temperatures(draft, [1.0, 2.0])
+    cs.with_temperatures(draft, [1.0, 2.0])
   with pytest.raises(ValueError, match="entry 1 is 0.0; must be finite, > 0"):
-    ss.with_temperatures(draft, [1.0, 0.0, 2.0])
-  calibrated = ss.with_temperatures(draft, [0.5, 2.0, 4.0])
+    cs.with_temperatures(draft, [1.0, 0.0, 2.0])
+  calibrated = cs.with_temperatures(draft, [0.5, 2.0, 4.0])
   assert draft.confidence.temperatures is None
   dspark_jax.save_pretrained(calibrated, str(tmp_path / "draft"), target=target)
   assert json.load(open(tmp_path / "draft" / "config.json"))["confidence_temperatures"] == [
       0.5, 2.0, 4.0]
-  assert ss.with_temperatures(calibrated, None).confidence.temperatures is None
+  assert cs.with_temperatures(calibrated, None).confidence.temperatures is None
   bare = dm.DSparkDraft(dm.DraftConfig(gamma=3, num_layers=1, target_layer_ids=(0,),
                                        mask_token_id=63, head_kind="vanilla", rank=4,
                                        confidence=False), target_config, rngs=nnx.Rngs(2))
   with pytest.raises(ValueError, match="^draft: has no confidence head"):
-    ss.with_temperatures(bare, [1.0, 1.0, 1.0])
+    cs.with_temperatures(bare, [1.0, 1.0, 1.0])

@@ -1,18 +1,10 @@
-"""The schedule study behind ``dspark-jax eval --schedule`` and ``dspark-jax calibrate``.
+"""The schedule study behind ``dspark-jax eval --schedule``: what the confidence-scheduled
+verification of SPEC §7 does for a pair.
 
-This module owns measuring what the confidence-scheduled verification of SPEC §7 does for a pair:
+Schedules are named by `dspark_jax.apps.schedule_specs` (`ScheduleSpec`, `parse_schedules`); the
+traces and the STS fit come from `dspark_jax.apps.calibration_study`; the figures are drawn by
+`dspark_jax.apps.study_figures`. This module owns the measurements:
 
-* **Schedules by name.** `parse_schedules` reads ``fixed,threshold:0.5,prefix,top_k[:lag]`` into
-  `ScheduleSpec` values; `ScheduleSpec.build` makes the `schedules.Schedule` (``fixed`` builds None:
-  `generate`'s default program, the same decisions). Built schedules are kept per (spec, table) so
-  that `generate`, which keys its compiled programs by the schedule's identity, compiles each once.
-* **Calibration.** `trace_rounds` decodes prompts with ``trace=True`` and the fixed schedule;
-  `full_rounds` keeps the active rounds, all of which verified every position, as the data of
-  `calibration.fit_sts`: the head's confidence [N, γ] and the accepted run [N]. `fit_calibration`
-  fits the STS temperatures and reports ECE and AUC per position before and after; `calibrate`
-  does both for a pair, always starting from the raw head (`with_temperatures` ``None``).
-  `with_temperatures` returns a copy of a draft whose `ConfidenceHead` applies the temperatures;
-  `save_calibration` / `load_temperatures` write and read them as JSON.
 * **Live comparison.** `compare_schedules` decodes the prompts under each schedule (batches of
   ``batch_size``, row i seeded ``seed + i``) and reports per schedule a `ScheduleRow`: τ (tokens per
   round: accepted drafts + 1) with its interval, the mean verify tokens per round (anchor
@@ -28,10 +20,7 @@ This module owns measuring what the confidence-scheduled verification of SPEC §
   read the calibrated confidences: give the ``temperatures`` the draft would apply.
 * **Throughput table.** `measure_sps` runs `profile_sps` over the verify batch sizes a study of a
   given batch size can reach.
-* **Figures** (matplotlib, each on its own `Figure` with an Agg canvas; the global backend is not
-  touched): `plot_reliability` (per-position reliability before/after STS with ECE and AUC, the
-  paper's Fig. 6), `plot_threshold_sweep` (τ, verify tokens and acceptance rate against the threshold,
-  Fig. 5), `plot_throughput` (tokens/s against batch size per schedule). Each returns the saved path.
+* **Table.** `format_schedule_table` prints `ScheduleRow` values as markdown.
 
 The decoding loop's verify forward has the static shape [B, γ + 1] (`dspark_jax.decoding.rounds`):
 a shorter verify length commits fewer tokens without making the forward cheaper, so the measured
@@ -42,328 +31,21 @@ verify packed to the scheduled tokens would reach by the throughput table (draft
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import math
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from dspark_jax import decoding
+from dspark_jax.apps import calibration_study
 from dspark_jax.apps import evaluation
-from dspark_jax.draft import heads
-from dspark_jax.sampling import params as sp
+from dspark_jax.apps.schedule_specs import ScheduleSpec
 from dspark_jax.scheduling import calibration
 from dspark_jax.scheduling import schedules
 from dspark_jax.scheduling.profile import SpsProfile, profile_sps
 
-SCHEDULE_KINDS = ("fixed", "threshold", "prefix", "top_k")
 DEFAULT_THRESHOLDS = np.round(np.linspace(0.0, 1.0, 21), 10)
-
-
-# ---- schedules by name ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleSpec:
-  """A schedule named on the command line.
-
-  Attributes:
-    kind: "fixed", "threshold", "prefix" or "top_k".
-    value: the threshold t in [0, 1] for "threshold", the lag (int ≥ 0) for "top_k", else None.
-  """
-
-  kind: str
-  value: float | int | None = None
-
-  @property
-  def label(self) -> str:
-    """``fixed``, ``threshold:0.5``, ``prefix``, ``top_k:2``."""
-    return self.kind if self.value is None else f"{self.kind}:{self.value:g}"
-
-  @property
-  def needs_sps(self) -> bool:
-    """Whether the schedule reads a throughput table (prefix, top_k)."""
-    return self.kind in ("prefix", "top_k")
-
-  @property
-  def lossless(self) -> bool:
-    """False only for ``top_k:0``, the anticipating search (`schedules.top_k`)."""
-    return not (self.kind == "top_k" and self.value == 0)
-
-  def build(self, sps=None) -> schedules.Schedule | None:
-    """The `Schedule` (None for ``fixed``: `generate`'s default program makes its decisions).
-
-    The same object is returned for an equal spec and table, so `generate` reuses its program.
-
-    Raises:
-      ValueError: prefix or top_k without `sps`, or a bad table.
-    """
-    if self.kind == "fixed":
-      return None
-    if self.needs_sps and sps is None:
-      raise ValueError(f"sps: {self.label} needs a throughput table (schedules.load_sps or "
-                       "profile_sps)")
-    table = None if sps is None else np.asarray(sps, np.float64)
-    key = (self, None if table is None or not self.needs_sps else table.tobytes())
-    if key not in _BUILT:
-      if self.kind == "threshold":
-        _BUILT[key] = schedules.threshold(float(self.value))
-      elif self.kind == "prefix":
-        _BUILT[key] = schedules.prefix(table)
-      else:
-        _BUILT[key] = schedules.top_k(table, lag=int(self.value))
-    return _BUILT[key]
-
-
-_BUILT: dict[tuple, schedules.Schedule] = {}
-"""Schedules built by `ScheduleSpec.build`, by (spec, table bytes): one compiled program each."""
-
-
-def parse_schedules(text: str) -> list[ScheduleSpec]:
-  """``fixed,threshold:0.5,prefix,top_k[:lag]`` as `ScheduleSpec` values, in order.
-
-  ``threshold`` needs a value in [0, 1]; ``top_k``'s lag defaults to 2 and must be an integer ≥ 0;
-  ``fixed`` and ``prefix`` take none.
-
-  Raises:
-    ValueError: an empty entry, an unknown name, a bad value or a schedule given twice (each named).
-  """
-  specs: list[ScheduleSpec] = []
-  for item in str(text).split(","):
-    item = item.strip()
-    name, colon, value = item.partition(":")
-    name, value = name.strip(), value.strip()
-    if not name:
-      raise ValueError(f"empty schedule in {text!r}; use e.g. fixed,threshold:0.5,prefix,top_k")
-    if name in ("fixed", "prefix"):
-      if colon:
-        raise ValueError(f"{item!r}: {name} takes no value")
-      spec = ScheduleSpec(name)
-    elif name == "threshold":
-      try:
-        t = float(value)
-      except ValueError:
-        raise ValueError(f"{item!r}: the threshold must be a number in [0, 1], e.g. "
-                         "threshold:0.5") from None
-      if not 0.0 <= t <= 1.0:
-        raise ValueError(f"{item!r}: the threshold must be in [0, 1], got {t}")
-      spec = ScheduleSpec(name, t)
-    elif name == "top_k":
-      lag = 2
-      if colon:
-        try:
-          lag = int(value)
-        except ValueError:
-          raise ValueError(f"{item!r}: the lag must be an integer >= 0, e.g. top_k:2") from None
-        if lag < 0:
-          raise ValueError(f"{item!r}: the lag must be an integer >= 0, got {lag}")
-      spec = ScheduleSpec(name, lag)
-    else:
-      raise ValueError(f"unknown schedule {name!r}; use fixed, threshold:T, prefix or top_k[:LAG]")
-    if spec in specs:
-      raise ValueError(f"{spec.label} is given twice")
-    specs.append(spec)
-  return specs
-
-
-# ---- drafts and traces ----------------------------------------------------------------------------
-
-
-def with_temperatures(draft, temperatures):
-  """A copy of `draft` whose confidence head applies `temperatures` [γ] (None: the raw head).
-
-  The input draft is not changed; the temperatures are stored as float32.
-
-  Raises:
-    ValueError: a draft without a confidence head, or temperatures that are not γ finite values > 0.
-  """
-  if getattr(draft, "confidence", None) is None:
-    raise ValueError("draft: has no confidence head (nothing to calibrate or schedule on)")
-  gamma = draft.config.gamma
-  arrays = {k: v for k, v in draft.confidence.arrays().items() if k != "temperatures"}
-  if temperatures is not None:
-    t = np.asarray(temperatures)
-    if t.shape != (gamma,):
-      raise ValueError(f"temperatures: expected {gamma} values (one per draft position), got shape "
-                       f"{t.shape}")
-    arrays["temperatures"] = t.astype(np.float32)
-  head = heads.confidence_head_from_arrays(arrays)
-  copy = nnx.clone(draft)
-  copy.confidence = head
-  return copy
-
-
-def _stop_ids(stop_token_ids) -> list[int]:
-  return [int(i) for i in stop_token_ids]
-
-
-def _decode_batches(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float,
-                    batch_size: int, max_new_tokens: int, stop_token_ids, seed: int, schedule,
-                    trace: bool) -> list[decoding.GenerateResult]:
-  """`generate` over `prompts` in order, `batch_size` at a time; prompt i has seed ``seed + i``."""
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
-  if not prompts:
-    raise ValueError("prompts: empty")
-  results = []
-  for start in range(0, len(prompts), batch_size):
-    rows = range(start, min(start + batch_size, len(prompts)))
-    params = sp.SamplingParams(temperature=np.full(len(rows), float(temperature)),
-                               seed=np.asarray(rows) + seed)
-    results.append(decoding.generate(
-        target, draft, [list(prompts[i]) for i in rows], params, jax.random.key(seed),
-        max_new_tokens=max_new_tokens, stop_token_ids=_stop_ids(stop_token_ids),
-        schedule=schedule, trace=trace))
-  return results
-
-
-def trace_rounds(target, draft, prompts: Sequence[Sequence[int]], *,
-                 temperatures: Sequence[float] = (0.0,), batch_size: int = 8,
-                 max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (),
-                 seed: int = 0) -> list[decoding.RoundTrace]:
-  """Per-round traces of fixed-schedule decodes of `prompts` at each sampling temperature.
-
-  One `RoundTrace` per (temperature, batch), in that order: confidence [R, b, γ] as `draft`'s head
-  emits it, verify_lens, accept_len, active [R, b].
-  """
-  traces = []
-  for temperature in temperatures:
-    for result in _decode_batches(target, draft, prompts, temperature=temperature,
-                                  batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop_token_ids, seed=seed, schedule=None,
-                                  trace=True):
-      traces.append(result.trace)
-  return traces
-
-
-def full_rounds(traces: Sequence[decoding.RoundTrace]) -> tuple[np.ndarray, np.ndarray]:
-  """(confidence [N, γ] float64, accept_len [N] int64) of the active rounds that verified every
-  position, pooled over `traces`: `calibration.fit_sts`'s data.
-
-  Raises:
-    ValueError: no traces, traces of different γ, a NaN confidence (a draft without a confidence
-      head), or no such round.
-  """
-  if not traces:
-    raise ValueError("traces: empty")
-  gamma = traces[0].confidence.shape[-1]
-  confidence, accept_len = [], []
-  for i, trace in enumerate(traces):
-    c = np.asarray(trace.confidence, np.float64)
-    if c.shape[-1] != gamma:
-      raise ValueError(f"traces: trace {i} has γ = {c.shape[-1]}, trace 0 has {gamma}")
-    keep = np.asarray(trace.active) & (np.asarray(trace.verify_lens) == gamma + 1)
-    confidence.append(c[keep])
-    accept_len.append(np.asarray(trace.accept_len)[keep].astype(np.int64))
-  confidence, accept_len = np.concatenate(confidence), np.concatenate(accept_len)
-  if confidence.shape[0] == 0:
-    raise ValueError("traces: no active round verified every position")
-  if np.isnan(confidence).any():
-    raise ValueError("traces: NaN confidences (the draft has no confidence head)")
-  return confidence, accept_len
-
-
-# ---- calibration ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Calibration:
-  """An STS fit and its diagnostics.
-
-  Attributes:
-    temperatures: [γ] fitted temperatures (`calibration.fit_sts`).
-    ece_before, ece_after, auc_before, auc_after: [γ] of the cumulative survival per position, with
-      the raw head and with the temperatures.
-    confidence: [N, γ] the raw confidences fitted on; accept_len: [N] their labels.
-    bins: ECE and reliability bins.
-    traces: the decodes' `RoundTrace` values (raw head), for `replay` and `threshold_sweep`.
-  """
-
-  temperatures: np.ndarray
-  ece_before: np.ndarray
-  ece_after: np.ndarray
-  auc_before: np.ndarray
-  auc_after: np.ndarray
-  confidence: np.ndarray
-  accept_len: np.ndarray
-  bins: int = 15
-  traces: list = dataclasses.field(default_factory=list)
-
-  @property
-  def rounds(self) -> int:
-    return int(self.accept_len.shape[0])
-
-  def as_dict(self) -> dict:
-    """The temperatures and diagnostics as JSON values (NaN as None), without the data."""
-    clean = lambda a: [None if math.isnan(x) else float(x) for x in np.asarray(a, np.float64)]
-    return {"temperatures": clean(self.temperatures), "ece_before": clean(self.ece_before),
-            "ece_after": clean(self.ece_after), "auc_before": clean(self.auc_before),
-            "auc_after": clean(self.auc_after), "rounds": self.rounds, "bins": self.bins}
-
-
-def fit_calibration(confidence, accept_len, *, bins: int = 15, traces=()) -> Calibration:
-  """`calibration.fit_sts` on raw confidences [N, γ] and labels [N], with ECE and AUC before/after."""
-  temperatures = calibration.fit_sts(confidence, accept_len, bins=bins)
-  return Calibration(
-      temperatures=temperatures,
-      ece_before=calibration.ece(confidence, accept_len, bins=bins),
-      ece_after=calibration.ece(confidence, accept_len, temperatures, bins=bins),
-      auc_before=calibration.auc(confidence, accept_len),
-      auc_after=calibration.auc(confidence, accept_len, temperatures),
-      confidence=np.asarray(confidence, np.float64), accept_len=np.asarray(accept_len, np.int64),
-      bins=bins, traces=list(traces))
-
-
-def calibrate(target, draft, prompts: Sequence[Sequence[int]], *,
-              temperatures: Sequence[float] = (0.0,), batch_size: int = 8,
-              max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (), seed: int = 0,
-              bins: int = 15) -> Calibration:
-  """Decodes `prompts` with the draft's raw confidence head (its own temperatures set aside),
-  fixed schedule, ``trace=True``, and fits STS on every round (`fit_calibration`)."""
-  raw = with_temperatures(draft, None)
-  traces = trace_rounds(target, raw, prompts, temperatures=temperatures, batch_size=batch_size,
-                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
-  confidence, accept_len = full_rounds(traces)
-  return fit_calibration(confidence, accept_len, bins=bins, traces=traces)
-
-
-def save_calibration(path: str | os.PathLike, result: Calibration,
-                     meta: Mapping[str, Any] | None = None) -> str:
-  """Writes ``{"temperatures": [...], "ece_before": ..., ..., **meta}`` as JSON; returns `path`."""
-  document = {**result.as_dict(), **dict(meta or {})}
-  document.setdefault("date", datetime.datetime.now(datetime.timezone.utc)
-                      .isoformat(timespec="seconds"))
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(document, f, indent=1)
-    f.write("\n")
-  return str(path)
-
-
-def load_temperatures(path: str | os.PathLike) -> np.ndarray:
-  """The ``temperatures`` [γ] float64 of a `save_calibration` file.
-
-  Raises:
-    ValueError: an unreadable file, or no list of finite temperatures > 0 in it (naming the file).
-  """
-  try:
-    with open(path, encoding="utf-8") as f:
-      document = json.load(f)
-  except (OSError, UnicodeDecodeError) as error:
-    raise ValueError(f"{path}: cannot read it ({error})") from None
-  except json.JSONDecodeError as error:
-    raise ValueError(f"{path}: not valid JSON ({error.msg})") from None
-  values = document.get("temperatures") if isinstance(document, dict) else None
-  if not isinstance(values, list) or not values:
-    raise ValueError(f"{path}: expected an object with a non-empty 'temperatures' list")
-  for i, t in enumerate(values):
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-      raise ValueError(f"{path}: temperatures[{i}] is {t!r}; must be a finite number > 0")
-  return np.asarray(values, np.float64)
 
 
 # ---- rows of the comparison -----------------------------------------------------------------------
@@ -486,7 +168,7 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
 
   Args:
     target, draft: the pair; the draft's confidence head as it is (calibrate it first:
-      `with_temperatures`).
+      `calibration_study.with_temperatures`).
     prompts: token-id lists, decoded in order `batch_size` at a time (row i seeded ``seed + i``,
       every batch keyed ``jax.random.key(seed)``).
     specs: the schedules (`parse_schedules`). sps: the dense throughput table prefix/top_k read.
@@ -502,10 +184,10 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
   bar = _bar(len(specs) * len(temperatures), "schedules", progress)
   for temperature in temperatures:
     for spec in specs:
-      results = _decode_batches(target, draft, prompts, temperature=temperature,
-                                batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                stop_token_ids=stop_token_ids, seed=seed, schedule=built[spec],
-                                trace=False)
+      results = calibration_study.decode_batches(
+          target, draft, prompts, temperature=temperature, batch_size=batch_size,
+          max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
+          schedule=built[spec], trace=False)
       rows.append(_decode_row(spec.label, temperature, batch_size, results))
       bar.update(1)
   bar.close()
@@ -532,9 +214,10 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
   for b in batch_sizes:
     batch = [prompts[i % len(prompts)] for i in range(max(int(b), len(prompts)))]
     for spec in specs:
-      results = _decode_batches(target, draft, batch, temperature=temperature, batch_size=int(b),
-                                max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                seed=seed, schedule=built[spec], trace=False)
+      results = calibration_study.decode_batches(
+          target, draft, batch, temperature=temperature, batch_size=int(b),
+          max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
+          schedule=built[spec], trace=False)
       rows.append(_decode_row(spec.label, temperature, int(b), results))
       bar.update(1)
   bar.close()
@@ -566,7 +249,7 @@ def replay(traces: Sequence[decoding.RoundTrace], spec: ScheduleSpec, *, sps=Non
   through its rounds in order. Rounds that did not verify every position count as inactive.
 
   Args:
-    traces: fixed-schedule traces (`trace_rounds`, `Calibration.traces`).
+    traces: fixed-schedule traces (`calibration_study.trace_rounds`, `Calibration.traces`).
     spec: the schedule. sps: its throughput table (prefix, top_k).
     temperatures: [γ] temperatures applied to the traced confidences first (None: as traced).
     temperature: the sampling temperature, recorded in the row.
@@ -646,7 +329,7 @@ def threshold_sweep(traces: Sequence[decoding.RoundTrace], thresholds=DEFAULT_TH
   t = np.asarray(thresholds, np.float64).reshape(-1)
   if t.size == 0 or not np.all((t >= 0) & (t <= 1)):
     raise ValueError(f"thresholds: expected values in [0, 1], got {t.tolist()}")
-  confidence, accept_len = full_rounds(traces)
+  confidence, accept_len = calibration_study.full_rounds(traces)
   c = _calibrated(confidence, temperatures)
   c = np.where(np.isnan(c), np.float32(0), c)
   passes = c[None, :, :] >= t.astype(np.float32)[:, None, None]            # [n, N, γ]
@@ -710,123 +393,3 @@ def format_schedule_table(rows: Sequence[ScheduleRow]) -> str:
                  f"[{fmt(lo)}, {fmt(hi)}] | {row.verify_tokens:.2f} | {fmt(row.acceptance_rate)} "
                  f"[{fmt(rlo)}, {fmt(rhi)}] | {acc} | {tps} |")
   return "\n".join(lines)
-
-
-def format_calibration_table(result: Calibration) -> str:
-  """A markdown table per position: T_k, ECE and AUC before and after STS."""
-  lines = ["| k | T_k | ECE before | ECE after | AUC before | AUC after |",
-           "|---:|---:|---:|---:|---:|---:|"]
-  fmt = lambda a, spec: "–" if math.isnan(a) else format(a, spec)
-  for k in range(len(result.temperatures)):
-    lines.append(f"| {k + 1} | {result.temperatures[k]:.3g} | {fmt(result.ece_before[k], '.4f')} | "
-                 f"{fmt(result.ece_after[k], '.4f')} | {fmt(result.auc_before[k], '.3f')} | "
-                 f"{fmt(result.auc_after[k], '.3f')} |")
-  return "\n".join(lines)
-
-
-# ---- figures --------------------------------------------------------------------------------------
-
-
-def _figure(width: float, height: float, rows: int, cols: int):
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  fig = Figure(figsize=(width, height))
-  FigureCanvasAgg(fig)
-  return fig, fig.subplots(rows, cols, squeeze=False)
-
-
-def _save(fig, path) -> str:
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  return str(path)
-
-
-def plot_reliability(result: Calibration, path: str | os.PathLike) -> str:
-  """Reliability diagrams of the cumulative survival a_k, one panel per position k, raw head and
-  after STS, ECE and AUC in the legend (the paper's Fig. 6); saves a PNG at `path`."""
-  gamma = len(result.temperatures)
-  cols = min(gamma, 4)
-  rows = -(-gamma // cols)
-  fig, axes = _figure(3.2 * cols, 3.0 * rows, rows, cols)
-  curves = (("raw", None, result.ece_before, result.auc_before, "tab:red"),
-            ("STS", result.temperatures, result.ece_after, result.auc_after, "tab:blue"))
-  diagrams = {name: calibration.reliability(result.confidence, result.accept_len, temps,
-                                            bins=result.bins)
-              for name, temps, *_ in curves}
-  for k in range(rows * cols):
-    ax = axes[k // cols][k % cols]
-    if k >= gamma:
-      ax.axis("off")
-      continue
-    ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
-    for name, temps, ece, auc, colour in curves:
-      diagram = diagrams[name]
-      filled = diagram.counts[k] > 0
-      extra = "" if temps is None else f", T = {temps[k]:.2g}"
-      ax.plot(diagram.confidence[k, filled], diagram.accuracy[k, filled], marker="o", ms=3,
-              color=colour, label=f"{name}{extra}: ECE {ece[k]:.3f}, AUC {auc[k]:.2f}")
-    ax.set_title(f"position {k + 1}", fontsize=9)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("predicted survival a_k", fontsize=8)
-    ax.set_ylabel("observed survival", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="upper left")
-  fig.suptitle(f"reliability of a_k = Π c_i before/after STS ({result.rounds} rounds)", fontsize=10)
-  return _save(fig, path)
-
-
-def plot_threshold_sweep(sweeps: ThresholdSweep | Mapping[str, ThresholdSweep],
-                         path: str | os.PathLike) -> str:
-  """τ and verify tokens per round (left) and acceptance rate (right) against the threshold t (the
-  paper's Fig. 5), one line per sweep (e.g. raw and calibrated confidences); saves a PNG."""
-  if isinstance(sweeps, ThresholdSweep):
-    sweeps = {"": sweeps}
-  fig, axes = _figure(10, 3.6, 1, 2)
-  left, right = axes[0]
-  for i, (name, sweep) in enumerate(sweeps.items()):
-    colour = f"C{i}"
-    tag = f" ({name})" if name else ""
-    left.plot(sweep.thresholds, sweep.tau, marker="o", ms=3, color=colour,
-              label=f"τ: tokens per round{tag}")
-    left.plot(sweep.thresholds, sweep.verify_tokens, ls="--", color=colour,
-              label=f"verify tokens per round{tag}")
-    right.plot(sweep.thresholds, sweep.acceptance_rate, marker="o", ms=3, color=colour,
-               label=f"acceptance rate{tag}")
-  left.set_xlabel("threshold t")
-  left.set_ylabel("tokens per round")
-  right.set_xlabel("threshold t")
-  right.set_ylabel("accepted / verified drafts")
-  right.set_ylim(0, 1.02)
-  for ax in (left, right):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  return _save(fig, path)
-
-
-def plot_throughput(rows: Sequence[ScheduleRow], path: str | os.PathLike, *, sps=None) -> str:
-  """tokens/s against batch size, one line per schedule (decoded rows only); with `sps`, a second
-  panel of `verify_bound_tokens_per_second` (a model, labelled as such). Saves a PNG."""
-  rows = [r for r in rows if r.source == "decode"]
-  if not rows:
-    raise ValueError("rows: no decoded rows to plot")
-  fig, axes = _figure(10 if sps is not None else 5.5, 3.8, 1, 2 if sps is not None else 1)
-  by_schedule: dict[str, list[ScheduleRow]] = {}
-  for row in rows:
-    by_schedule.setdefault(row.schedule, []).append(row)
-  panels = [(axes[0][0], lambda r: r.tokens_per_second, "measured tokens/s")]
-  if sps is not None:
-    panels.append((axes[0][1], lambda r: verify_bound_tokens_per_second(r, sps),
-                   "verify-bound model: B·τ·sps[B·verify tokens]"))
-  for ax, value, title in panels:
-    for name, items in by_schedule.items():
-      items = sorted(items, key=lambda r: r.batch_size)
-      ax.plot([r.batch_size for r in items], [value(r) for r in items], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (rows)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  return _save(fig, path)
