@@ -64,7 +64,9 @@ def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
   assert spec.backend is not None and plain.backend is None
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   np.testing.assert_array_equal(spec.lengths, budgets)
-  assert spec.rounds < plain.rounds or gamma == 1
+  # The copy-biased heads are accepted often enough to save rounds; the rnn head is random (no copy
+  # bias), so whether it saves any depends on the random weights.
+  assert spec.rounds < plain.rounds or gamma == 1 or kind == "rnn"
   assert spec.acceptance.shape == (gamma,)
 
 

@@ -199,32 +199,51 @@ def _linear(fan_in, fan_out, dtype, param_dtype, rngs):
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with q/k RMSNorm and RoPE (Qwen3)."""
+  """Grouped-query attention with q/k RMSNorm and RoPE (Qwen3).
+
+  The query, key and value projections are one matrix, ``qkv_proj`` [E, (N + 2K)·D] (columns:
+  queries, keys, values), so a layer reads its inputs' projections in one product. Checkpoints
+  name its parts ``q_proj``, ``k_proj`` and ``v_proj`` (`dspark_jax.train.checkpoints`).
+  """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, n, k, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     self.shape = shape
-    self.q_proj = _linear(e, n * d, dtype, param_dtype, rngs)
-    self.k_proj = _linear(e, k * d, dtype, param_dtype, rngs)
-    self.v_proj = _linear(e, k * d, dtype, param_dtype, rngs)
+    self.qkv_proj = _linear(e, (n + 2 * k) * d, dtype, param_dtype, rngs)
     self.o_proj = _linear(n * d, e, dtype, param_dtype, rngs)
     self.q_norm = nnx.RMSNorm(d, epsilon=shape.rms_eps, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
     self.k_norm = nnx.RMSNorm(d, epsilon=shape.rms_eps, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
 
-  def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """[B, T, E] -> [B, T, N, D] normalised, rotated queries."""
-    b, t, _ = x.shape
-    q = self.q_norm(self.q_proj(x).reshape(b, t, self.shape.num_heads, self.shape.head_dim))
-    return rope(q, positions, self.shape.rope_theta, self.shape.rope_scaling)
+  def _heads(self, x: jax.Array, heads: int) -> jax.Array:
+    return x.reshape(*x.shape[:2], heads, self.shape.head_dim)
+
+  def _keys_values(self, k: jax.Array, v: jax.Array, positions: jax.Array):
+    k = self.k_norm(self._heads(k, self.shape.num_kv_heads))
+    v = self._heads(v, self.shape.num_kv_heads)
+    return rope(k, positions, self.shape.rope_theta, self.shape.rope_scaling), v
+
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[B, T, E] -> queries [B, T, N, D] and keys, values [B, T, K, D] (queries and keys
+    normalised and rotated), from one product."""
+    nq = self.shape.num_heads * self.shape.head_dim
+    nk = self.shape.num_kv_heads * self.shape.head_dim
+    qkv = self.qkv_proj(x)
+    q = self.q_norm(self._heads(qkv[..., :nq], self.shape.num_heads))
+    q = rope(q, positions, self.shape.rope_theta, self.shape.rope_scaling)
+    k, v = self._keys_values(qkv[..., nq:nq + nk], qkv[..., nq + nk:], positions)
+    return q, k, v
 
   def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated)."""
-    b, t, _ = x.shape
-    k = self.k_norm(self.k_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim))
-    v = self.v_proj(x).reshape(b, t, self.shape.num_kv_heads, self.shape.head_dim)
-    return rope(k, positions, self.shape.rope_theta, self.shape.rope_scaling), v
+    """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated), without the
+    queries (the draft's context)."""
+    nq = self.shape.num_heads * self.shape.head_dim
+    nk = self.shape.num_kv_heads * self.shape.head_dim
+    proj = self.qkv_proj
+    x, kernel, _ = proj.promote_dtype((x, proj.kernel[...][:, nq:], None), dtype=proj.dtype)
+    kv = proj.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision)
+    return self._keys_values(kv[..., :nk], kv[..., nk:], positions)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.
@@ -237,16 +256,18 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matrix ``gate_up_proj`` [E, 2I]
+  (checkpoints name its halves ``gate_proj`` and ``up_proj``)."""
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, i = shape.hidden_size, shape.intermediate_size
-    self.gate_proj = _linear(e, i, dtype, param_dtype, rngs)
-    self.up_proj = _linear(e, i, dtype, param_dtype, rngs)
+    self.gate_up_proj = _linear(e, 2 * i, dtype, param_dtype, rngs)
     self.down_proj = _linear(i, e, dtype, param_dtype, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    h = self.gate_up_proj(x)
+    i = h.shape[-1] // 2
+    return self.down_proj(jax.nn.silu(h[..., :i]) * h[..., i:])
 
 
 class DecoderLayer(nnx.Module):
@@ -268,8 +289,7 @@ class DecoderLayer(nnx.Module):
     """Runs the layer. ``gather_kv(k, v) -> (keys, values, mask, aux)`` builds what to attend over
     from this call's own keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
     normed = self.input_norm(x)
-    q = self.attention.queries(normed, positions)
-    k, v = self.attention.keys_values(normed, positions)
+    q, k, v = self.attention.project(normed, positions)
     keys, values, mask, aux = gather_kv(k, v)
     x = x + self.attention.attend(q, keys, values, mask)
     return x + self.mlp(self.post_norm(x)), aux

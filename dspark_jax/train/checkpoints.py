@@ -11,6 +11,11 @@ This module owns how models and training state go to disk and come back:
 
 Loading builds a model from its config and replaces every parameter, checking names and shapes: a
 missing, unexpected or misshapen tensor raises ValueError naming it.
+
+Tensor names are the unfused ones: a layer's fused projections (``attention.qkv_proj``,
+``mlp.gate_up_proj``, one product each at run time) are named by their parts (``q_proj``,
+``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) in every name `named_arrays` gives and
+`replace_named` takes, so files and the checkpoint formats built on these names stay as they were.
 """
 
 from __future__ import annotations
@@ -109,27 +114,88 @@ def _name(path) -> str:
   return ".".join(parts)
 
 
+FUSED = {
+    "attention.qkv_proj.kernel": ("attention.q_proj.kernel", "attention.k_proj.kernel",
+                                  "attention.v_proj.kernel"),
+    "mlp.gate_up_proj.kernel": ("mlp.gate_proj.kernel", "mlp.up_proj.kernel"),
+}
+"""A fused parameter's path suffix -> the names of its column blocks, in order."""
+
+
+def _fused_suffix(name: str) -> str | None:
+  for suffix in FUSED:
+    if name == suffix or name.endswith("." + suffix):
+      return suffix
+  return None
+
+
+def _part_widths(named: dict, name: str, suffix: str) -> tuple[int, ...]:
+  """Column widths of the parts of fused parameter `name` (q/k/v: the query width is the output
+  projection's input width, the rest splits in two equal halves)."""
+  total = int(np.shape(named[name])[-1])
+  if suffix.startswith("attention."):
+    queries = int(np.shape(named[name[:-len(suffix)] + "attention.o_proj.kernel"])[0])
+    return (queries, (total - queries) // 2, (total - queries) // 2)
+  return (total // 2, total // 2)
+
+
+def _columns(leaf, start: int, width: int):
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(tuple(leaf.shape[:-1]) + (width,), leaf.dtype)
+  return leaf[..., start:start + width]
+
+
+def _unfused(named: dict) -> dict:
+  """`named` with each fused parameter replaced by its parts (slices; abstract shapes stay
+  abstract)."""
+  out = {}
+  for name, leaf in named.items():
+    suffix = _fused_suffix(name)
+    if suffix is None:
+      out[name] = leaf
+      continue
+    prefix, start = name[:-len(suffix)], 0
+    for part, width in zip(FUSED[suffix], _part_widths(named, name, suffix)):
+      out[prefix + part] = _columns(leaf, start, width)
+      start += width
+  return out
+
+
 def named_arrays(tree) -> dict[str, jax.Array]:
-  """``{path name: array}`` of a pytree (an nnx.State, an optax state, ...)."""
-  return {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  """``{path name: array}`` of a pytree (an nnx.State, an optax state, ...), fused projections
+  named by their parts (module docstring)."""
+  return _unfused({_name(path): leaf
+                   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]})
 
 
 def replace_named(tree, arrays: dict[str, Any], *, what: str):
-  """`tree` with each leaf replaced by ``arrays[name]`` (cast to the leaf's dtype); strict."""
+  """`tree` with each leaf replaced by ``arrays[name]`` (cast to the leaf's dtype); strict.
+
+  `arrays` uses the names of `named_arrays` (a fused projection's parts, concatenated here).
+  """
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   names = [_name(path) for path, _ in leaves]
-  unexpected = sorted(set(arrays) - set(names))
+  expected = _unfused(dict(zip(names, (leaf for _, leaf in leaves))))
+  unexpected = sorted(set(arrays) - set(expected))
   if unexpected:
     raise ValueError(f"{what}: unexpected tensor {unexpected[0]!r}")
-  new = []
-  for name, (_, leaf) in zip(names, leaves):
+  for name, leaf in expected.items():
     if name not in arrays:
       raise ValueError(f"{what}: missing tensor {name!r}")
     value = arrays[name]
     if tuple(np.shape(value)) != tuple(np.shape(leaf)):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(np.shape(value))}, expected "
                        f"{tuple(np.shape(leaf))}")
-    new.append(jnp.asarray(value, getattr(leaf, "dtype", None)))
+  new = []
+  for name, (_, leaf) in zip(names, leaves):
+    dtype = getattr(leaf, "dtype", None)
+    suffix = _fused_suffix(name)
+    if suffix is None:
+      new.append(jnp.asarray(arrays[name], dtype))
+    else:
+      prefix = name[:-len(suffix)]
+      new.append(jnp.concatenate([jnp.asarray(arrays[prefix + part], dtype)
+                                  for part in FUSED[suffix]], axis=-1))
   return jax.tree_util.tree_unflatten(treedef, new)
 
 
