@@ -256,7 +256,10 @@ def test_calibrate_writes_the_sts_fit_of_its_trace(tmp_path, capsys):
   document = json.load(open(out))
   pair = shipped.load_shipped()
   ids = [pair.encode(t) for t in pair.prompts[42:45]]
-  traces = cs.trace_rounds(pair.target, pair.draft, ids, temperatures=[0.0], batch_size=4,
+  # The command fits the raw head: the shipped draft's own temperatures are set aside.
+  assert "own temperatures were set aside" in printed
+  raw = cs.with_temperatures(pair.draft, None)
+  traces = cs.trace_rounds(pair.target, raw, ids, temperatures=[0.0], batch_size=4,
                            max_new_tokens=16, stop_token_ids=pair.tokenizer.stop_token_ids)
   confidence, accept = cs.full_rounds(traces)
   assert document["rounds"] == accept.size
