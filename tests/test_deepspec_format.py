@@ -382,9 +382,10 @@ def test_save_pretrained_and_draft_proposal_refusals(tmp_path):
 
 
 def test_a_draft_reading_the_final_target_layer_is_not_saved(tmp_path):
-  # Our target's features are raw layer outputs, so a draft may read the final layer (the shipped
-  # draft reads layer 7 of 8); DeepSpec reads that layer from Hugging Face's hidden states after
-  # the final norm, so the format cannot express it. (Abstract models: the check comes first.)
+  # Our target's features are raw layer outputs, so a draft of ours may read the final layer;
+  # DeepSpec reads that layer from Hugging Face's hidden states after the final norm, so the format
+  # cannot express it. (The shipped drafts read earlier layers and are saved:
+  # tests/test_shipped_export.py. Abstract models here: the check comes first.)
   config = dataclasses.replace(load("vanilla")[0].config, feature_layers=(0, 2))
   target = nnx.eval_shape(lambda: dj.TargetModel(config, rngs=nnx.Rngs(0)))
   draft = nnx.eval_shape(lambda: dj.DSparkDraft(
