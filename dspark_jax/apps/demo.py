@@ -1,13 +1,14 @@
 """The demo behind ``dspark-jax demo``: the shipped model pair decoding held-out prompts.
 
 It loads the trained target and DSpark drafter shipped in ``dspark_jax/assets`` (no download), decodes
-a few held-out prompts (openings of standard-library files the models never saw) speculatively and
-plainly with the same target and sampler, and prints the completions, τ, the per-position conditional
-acceptance and tokens/s of both. Greedy by default; ``--temperature`` samples instead. A greedy
-run also reports how many tokens the speculative and plain continuations share. Both are exact
-greedy decodes, but of the logits of differently shaped forwards (a verify pass over γ + 1 tokens,
-a plain step over one), whose low-precision matrix products may round differently on an
-accelerator: the two can part at a near-tie, and then continue differently.
+a few held-out prompts (openings of corpus files the models never saw: the Python standard library
+and installed scientific packages) speculatively and plainly with the same target and sampler, and
+prints the completions, τ, the per-position conditional acceptance and tokens/s of both. Greedy by
+default; ``--temperature`` samples instead. A greedy run also reports how many tokens the
+speculative and plain continuations share. Both are exact greedy decodes, but of the logits of
+differently shaped forwards (a verify pass over γ + 1 tokens, a plain step over one), whose
+low-precision matrix products may round differently on an accelerator: the two can part at a
+near-tie, and then continue differently.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ def run(args) -> int:
         flush=True)
   pair = shipped.load_shipped()
   corpus = pair.manifest["corpus"]
+  packages = [s["name"] for s in corpus.get("sources", []) if s["name"] != "stdlib"]
+  sources = f"the Python {corpus['python_version']} standard library"
+  if packages:
+    sources += f" and {len(packages)} packages"
   print(f"      target {sum(x.size for x in jax.tree.leaves(nnx.state(pair.target, nnx.Param))) / 1e6:.1f} M params, "
-        f"trained on the Python {corpus['python_version']} standard library "
-        f"({corpus['train_files']} train files); drafter γ = {pair.draft.config.gamma}")
+        f"trained on {sources} ({corpus['train_files']} train files); drafter γ = "
+        f"{pair.draft.config.gamma}, reading target layers {pair.draft.config.target_layer_ids}")
 
   if args.first_prompt >= len(pair.prompts):
     raise SystemExit(f"dspark-jax demo: error: argument --first-prompt: {args.first_prompt} is past "

@@ -3,8 +3,8 @@
 This module owns the files in ``dspark_jax/assets`` (written by ``scripts/train_pair.py --stage
 export``) and loading them with no download:
 
-* ``manifest.json``: the corpus (interpreter version, split), the training recipe, each model's steps
-  and final metrics, and the weight files of each model;
+* ``manifest.json``: the corpus (its sources and their versions, the split), the training recipe,
+  each model's steps and final metrics, the draft's calibration, and the weight files of each model;
 * ``target.part*.safetensors``, ``draft.part*.safetensors``, ``ablation.part*.safetensors``: bf16
   weights with their configs in the metadata, split into parts of at most 15 MiB;
 * ``tokenizer.json`` (byte-level BPE) and ``heldout_prompts.json`` (openings of held-out files).
