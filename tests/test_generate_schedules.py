@@ -198,15 +198,3 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
       dj.profile_sps(target, draft, **bad)
   with pytest.raises(ValueError, match="^gamma: required without a draft"):
     dj.profile_sps(target)
-  # Packed, as a decode of 4 rows pays (sizes 8, 16 of 4 x (γ + 1)): sizes in one packed size
-  # share a measurement.
-  packed = dj.profile_sps(target, draft, batch_tokens=[3, 8, 9, 16], rows=4, context=8, repeats=1,
-                          steps=2)
-  np.testing.assert_array_equal(packed.rows, [4, 4, 4, 4])
-  np.testing.assert_array_equal(packed.packed_size, [8, 8, 16, 16])
-  assert packed.steps_per_second[0] == packed.steps_per_second[1]
-  assert packed.steps_per_second[2] == packed.steps_per_second[3]
-  with pytest.raises(ValueError, match="^batch_tokens: 17 is more than rows x"):
-    dj.profile_sps(target, draft, batch_tokens=[17], rows=4)
-  with pytest.raises(ValueError, match="^rows"):
-    dj.profile_sps(target, draft, rows=0)

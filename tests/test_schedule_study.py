@@ -226,17 +226,16 @@ def test_figures_are_written_without_touching_the_backend(tmp_path):
   rows = [_row(s, b, 10.0 * b) for s in ("fixed", "prefix") for b in (1, 2, 4)]
   paths = [study_figures.plot_reliability(result, tmp_path / "rel.png"),
            study_figures.plot_threshold_sweep(sweeps, tmp_path / "sweep.png"),
-           study_figures.plot_throughput(rows, tmp_path / "tps.png")]
+           study_figures.plot_throughput(rows, tmp_path / "tps.png", sps=np.linspace(20, 5, 40))]
   assert paths == [str(tmp_path / n) for n in ("rel.png", "sweep.png", "tps.png")]
   for path in paths:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert matplotlib.get_backend() == backend
-  # A table per batch size, or one for all.
-  tables = {1: np.ones(9), 4: np.ones(33)}
-  assert ss.sps_for(tables, 4) is tables[4] and ss.sps_for(tables[1], 16) is tables[1]
-  with pytest.raises(ValueError, match=r"^sps: no throughput table for batch size 2 \(tables for \[1, 4\]\)"):
-    ss.sps_for(tables, 2)
+  # The verify-bound model: B·τ·sps[B·verify tokens], NaN past the table.
+  sps = np.arange(40, dtype=float)
+  assert ss.verify_bound_tokens_per_second(_row("x", 4, 1.0, tau=2.0, verify=2.5), sps) == 4 * 2 * 10
+  assert math.isnan(ss.verify_bound_tokens_per_second(_row("x", 16, 1.0), sps))
   table = ss.format_schedule_table([_row("fixed", 2, 12.0)])
   assert "| fixed | 0 | 2 | 2.00 " in table and "| 0.50 | 0.40 | 0.50 | 12 |" in table
 
@@ -285,6 +284,7 @@ def test_eval_schedule_reports_each_schedule(tmp_path, capsys):
   document = json.loads(capsys.readouterr().out)
   assert json.load(open(tmp_path / "ev" / "schedules.json")) == document
   assert document["sps"]["source"] == str(table) and document["sps"]["device"] == "test"
+  assert any("static [B, γ + 1] shape" in note for note in document["notes"])
   fixed, prefix = document["rows"]
   assert (fixed["schedule"], prefix["schedule"]) == ("fixed", "prefix")
   assert fixed["verify_tokens"] == 8.0

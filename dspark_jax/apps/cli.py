@@ -19,9 +19,8 @@
   instead (`dspark_jax.apps.schedule_study`): per schedule and temperature, τ with its interval,
   verify tokens per round, acceptance rate (accepted / verified drafts), per-position acceptance
   and tokens/s, decoded ``--batch-size`` rows at a time (default 8). ``prefix``/``top_k`` read
-  ``--sps FILE.json`` (`schedules.save_sps`, one table for every batch size), else one table per
-  batch size decoded, measured now by ``profile_sps`` on the current device as the packed verify
-  of that many rows (saved in ``--out`` as ``sps_b<B>.json``). ``--calibration FILE.json`` (from ``calibrate``) sets the
+  ``--sps FILE.json`` (`schedules.save_sps`), else a table measured now by ``profile_sps`` on the
+  current device (saved in ``--out``). ``--calibration FILE.json`` (from ``calibrate``) sets the
   draft's confidence temperatures first; ``--throughput-batches 1,16,64`` adds tokens/s per batch
   size and its plot. ``--json`` prints the JSON document instead of the table.
 * ``dspark-jax calibrate --out FILE.json [--target DIR --draft DIR --dataset FILE]``: decodes a
@@ -97,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="compare verify schedules: fixed,threshold:T,prefix,top_k[:LAG]")
   evaluate.add_argument("--sps", default=None,
                         help="with --schedule: throughput table JSON for prefix/top_k (default: "
-                             "measured now with profile_sps per batch size)")
+                             "measured now with profile_sps)")
   evaluate.add_argument("--calibration", default=None,
                         help="with --schedule: temperatures JSON from calibrate, set on the draft")
   evaluate.add_argument("--throughput-batches", type=flags.batch_sizes, default=None,

@@ -18,11 +18,14 @@ traces and the STS fit come from `dspark_jax.apps.calibration_study`; the figure
   is the one the fixed schedule reached, so the numbers describe the schedule's per-round decisions
   on those contexts (not the trajectory a scheduled decode would have taken). A schedule's decisions
   read the calibrated confidences: give the ``temperatures`` the draft would apply.
-* **Throughput table.** `measure_sps` runs `profile_sps` as a decode of a given batch size pays
-  it: the verify forward packed to the scheduled tokens (`TargetModel.verify`), at every verify
-  batch size the batch can reach. A table belongs to one batch size, so the functions that decode
-  take `sps` as one dense table or as a mapping {batch size: dense table}.
+* **Throughput table.** `measure_sps` runs `profile_sps` over the verify batch sizes a study of a
+  given batch size can reach.
 * **Table.** `format_schedule_table` prints `ScheduleRow` values as markdown.
+
+The decoding loop's verify forward has the static shape [B, γ + 1] (`dspark_jax.decoding.rounds`):
+a shorter verify length commits fewer tokens without making the forward cheaper, so the measured
+tokens/s cannot show a schedule's savings; `verify_bound_tokens_per_second` gives the rate that a
+verify packed to the scheduled tokens would reach by the throughput table (draft cost left out).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -145,17 +148,6 @@ def _bar(total: int, desc: str, enabled: bool):
   return tqdm(total=total, desc=desc)
 
 
-def sps_for(sps, batch_size: int):
-  """The dense table for decodes of `batch_size` rows: `sps` itself, or ``sps[batch_size]`` when
-  `sps` is a mapping of tables by batch size (ValueError naming the missing batch size)."""
-  if isinstance(sps, Mapping):
-    if batch_size not in sps:
-      raise ValueError(f"sps: no throughput table for batch size {batch_size} (tables for "
-                       f"{sorted(sps)})")
-    return sps[batch_size]
-  return sps
-
-
 def _check_specs(specs, sps) -> list[ScheduleSpec]:
   specs = list(specs)
   if not specs or not all(isinstance(s, ScheduleSpec) for s in specs):
@@ -179,8 +171,7 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
       `calibration_study.with_temperatures`).
     prompts: token-id lists, decoded in order `batch_size` at a time (row i seeded ``seed + i``,
       every batch keyed ``jax.random.key(seed)``).
-    specs: the schedules (`parse_schedules`). sps: the dense throughput table prefix/top_k read,
-      or a mapping {batch size: table} (`sps_for`).
+    specs: the schedules (`parse_schedules`). sps: the dense throughput table prefix/top_k read.
     temperatures: sampling temperatures. max_new_tokens, stop_token_ids: per row.
 
   Raises:
@@ -188,8 +179,7 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
       schedule that reads it, and `generate`'s own errors.
   """
   specs = _check_specs(specs, sps)
-  built = {spec: spec.build(sps_for(sps, batch_size) if spec.needs_sps else None)
-           for spec in specs}
+  built = {spec: spec.build(sps) for spec in specs}
   rows = []
   bar = _bar(len(specs) * len(temperatures), "schedules", progress)
   for temperature in temperatures:
@@ -211,23 +201,23 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
                      progress: bool = False) -> list[ScheduleRow]:
   """tokens/s of each schedule at each batch size b, on the same work: `prompts` decoded b at a
   time (cycled up to b rows when there are fewer), compilation excluded; one `ScheduleRow` per
-  (b, schedule). `sps`: one dense table for every b, or a mapping {b: table} (`sps_for`)."""
+  (b, schedule)."""
   specs = _check_specs(specs, sps)
   if not prompts:
     raise ValueError("prompts: empty")
   for b in batch_sizes:
     if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
       raise ValueError(f"batch_sizes: entry {b!r} must be an integer >= 1")
+  built = {spec: spec.build(sps) for spec in specs}
   rows = []
   bar = _bar(len(specs) * len(batch_sizes), "throughput", progress)
   for b in batch_sizes:
     batch = [prompts[i % len(prompts)] for i in range(max(int(b), len(prompts)))]
     for spec in specs:
-      schedule = spec.build(sps_for(sps, int(b)) if spec.needs_sps else None)
       results = calibration_study.decode_batches(
           target, draft, batch, temperature=temperature, batch_size=int(b),
           max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
-          schedule=schedule, trace=False)
+          schedule=built[spec], trace=False)
       rows.append(_decode_row(spec.label, temperature, int(b), results))
       bar.update(1)
   bar.close()
@@ -355,14 +345,33 @@ def threshold_sweep(traces: Sequence[decoding.RoundTrace], thresholds=DEFAULT_TH
 # ---- the throughput table -------------------------------------------------------------------------
 
 
-def measure_sps(target, draft, *, rows: int, context: int, repeats: int = 3, steps: int = 4,
+def sps_batch_tokens(max_batch: int, gamma: int) -> list[int]:
+  """Verify batch sizes to profile for batches of up to `max_batch` rows: (γ + 1) times 1, 2, 4,
+  ... rows and `max_batch` rows (the loop verifies whole rows of γ + 1 tokens)."""
+  rows = {int(max_batch)}
+  r = 1
+  while r < max_batch:
+    rows.add(r)
+    r *= 2
+  return sorted(n * (gamma + 1) for n in rows)
+
+
+def measure_sps(target, draft, *, max_batch: int, context: int, repeats: int = 3, steps: int = 4,
                 path: str | os.PathLike | None = None) -> SpsProfile:
-  """`profile_sps` of the packed verify of `rows` rows at every verify batch size 1 ..
-  rows · (γ + 1) (one measurement per packed size), on the current device; saved to `path` if
-  given. ``schedules.dense_sps(p.batch_tokens, p.steps_per_second)`` is the table."""
-  gamma = draft.config.gamma
-  return profile_sps(target, draft, batch_tokens=range(1, rows * (gamma + 1) + 1), rows=rows,
+  """`profile_sps` over `sps_batch_tokens` (on the current device); saved to `path` if given."""
+  return profile_sps(target, draft, batch_tokens=sps_batch_tokens(max_batch, draft.config.gamma),
                      context=context, repeats=repeats, steps=steps, path=path)
+
+
+def verify_bound_tokens_per_second(row: ScheduleRow, sps) -> float:
+  """B · τ · sps[round(B · verify_tokens)]: the tokens/s of `row`'s batch if each round cost one
+  verify pass packed to the scheduled tokens (the table's rate) and nothing else; NaN past the
+  table."""
+  sps = np.asarray(sps, np.float64)
+  n = int(round(row.batch_size * row.verify_tokens))
+  if not 1 <= n < sps.shape[0]:
+    return math.nan
+  return row.batch_size * row.tau * float(sps[n])
 
 
 # ---- tables ---------------------------------------------------------------------------------------

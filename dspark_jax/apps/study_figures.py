@@ -17,7 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 
 from dspark_jax.apps.calibration_study import Calibration
-from dspark_jax.apps.schedule_study import ScheduleRow, ThresholdSweep
+from dspark_jax.apps.schedule_study import (ScheduleRow, ThresholdSweep,
+                                            verify_bound_tokens_per_second)
 from dspark_jax.scheduling import calibration
 
 
@@ -99,26 +100,27 @@ def plot_threshold_sweep(sweeps: ThresholdSweep | Mapping[str, ThresholdSweep],
   return _save(fig, path)
 
 
-def plot_throughput(rows: Sequence[ScheduleRow], path: str | os.PathLike) -> str:
-  """tokens/s (left) and verify tokens per round (right) against batch size, one line per
-  schedule (decoded rows only). Saves a PNG."""
+def plot_throughput(rows: Sequence[ScheduleRow], path: str | os.PathLike, *, sps=None) -> str:
+  """tokens/s against batch size, one line per schedule (decoded rows only); with `sps`, a second
+  panel of `verify_bound_tokens_per_second` (a model, labelled as such). Saves a PNG."""
   rows = [r for r in rows if r.source == "decode"]
   if not rows:
     raise ValueError("rows: no decoded rows to plot")
-  fig, axes = _figure(10, 3.8, 1, 2)
+  fig, axes = _figure(10 if sps is not None else 5.5, 3.8, 1, 2 if sps is not None else 1)
   by_schedule: dict[str, list[ScheduleRow]] = {}
   for row in rows:
     by_schedule.setdefault(row.schedule, []).append(row)
-  panels = [(axes[0][0], lambda r: r.tokens_per_second, "measured tokens/s", "tokens/s"),
-            (axes[0][1], lambda r: r.verify_tokens, "verify tokens per row and round",
-             "tokens (anchor included)")]
-  for ax, value, title, label in panels:
+  panels = [(axes[0][0], lambda r: r.tokens_per_second, "measured tokens/s")]
+  if sps is not None:
+    panels.append((axes[0][1], lambda r: verify_bound_tokens_per_second(r, sps),
+                   "verify-bound model: B·τ·sps[B·verify tokens]"))
+  for ax, value, title in panels:
     for name, items in by_schedule.items():
       items = sorted(items, key=lambda r: r.batch_size)
       ax.plot([r.batch_size for r in items], [value(r) for r in items], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (rows)")
-    ax.set_ylabel(label)
+    ax.set_ylabel("tokens/s")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

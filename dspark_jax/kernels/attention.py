@@ -18,7 +18,6 @@ is made when a model is traced (shapes and dtypes are static), so it costs nothi
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -94,34 +93,9 @@ def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> j
   return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def attend_parts(q: jax.Array, parts) -> jax.Array:
-  """`attend_xla` over keys/values in several parts without joining them: `parts` is a sequence of
-  ``(k [B, S_i, K, D], v [B, S_i, K, D], mask [B, T, S_i])``, and the result is the attention over
-  their concatenation along S (one softmax across all parts; scores in float32; zeros for a query
-  whose masks are all False). A cache read in place plus the new tokens' own keys and values."""
-  b, t, n, d = q.shape
-  groups = n // parts[0][0].shape[2]
-  q = q.reshape(b, t, parts[0][0].shape[2], groups, d)
-  scores = []
-  for k, _, mask in parts:
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores.append(jnp.where(mask[:, None, None], s / jnp.sqrt(jnp.float32(d)), -jnp.inf))
-  top = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores])
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  probs = [jnp.exp(s - top) for s in scores]                  # exp(-inf) = 0 where masked
-  total = functools.reduce(jnp.add, [p.sum(axis=-1, keepdims=True) for p in probs])
-  total = jnp.where(total > 0, total, 1.0)
-  out = functools.reduce(jnp.add, [
-      jnp.einsum("bkgts,bskd->btkgd", (p / total).astype(v.dtype), v,
-                 preferred_element_type=jnp.float32) for p, (_, v, _) in zip(probs, parts)])
-  return out.astype(parts[0][1].dtype).reshape(b, t, n, d)
-
-
-def attend(q: jax.Array, k, v, mask, implementation: str | None = None) -> jax.Array:
-  """Grouped-query attention by the implementation `choose` picks for these inputs; `k`, `v` and
-  `mask` as tuples of parts run `attend_parts`."""
-  if isinstance(k, tuple):
-    return attend_parts(q, list(zip(k, v, mask)))
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           implementation: str | None = None) -> jax.Array:
+  """Grouped-query attention by the implementation `choose` picks for these inputs."""
   if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
     return attend_cudnn(q, k, v, mask)
   return attend_xla(q, k, v, mask)

@@ -10,10 +10,7 @@ This module owns the pieces both models are made of, as flax nnx modules:
   halves (`Attention.queries`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
   keys and values from two sources (context and block) into one attention;
 * `MLP`: the SwiGLU feed-forward block;
-* `write_rows`: writes a contiguous run of per-row entries into a static-size cache;
-* `Packing`: a ragged [B, T] batch (a prefix of each row valid) packed into [1, P] tokens, so that the
-  token-wise parts of a layer (norms, projections, MLP) compute only the valid tokens while attention
-  keeps the [B, T] layout over the cache.
+* `write_rows`: writes a contiguous run of per-row entries into a static-size cache.
 
 Shapes: B batch, T tokens, S cache slots, N query heads, K key/value heads, D head dim, E hidden size.
 """
@@ -197,45 +194,6 @@ def write_rows(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Arr
       cache, values.astype(cache.dtype), start)
 
 
-@dataclasses.dataclass(frozen=True)
-class Packing:
-  """The map between a [B, T] batch whose rows hold ``lens[b]`` valid leading tokens and a packed
-  [1, P] batch of those tokens in row-major order (`packing`).
-
-  Attributes:
-    to_packed: [B·T] int32 the packed index of each slot, P for an invalid slot.
-    to_slot: [P] int32 the slot of each packed index (0 for the ``P - sum(lens)`` padding entries).
-    batch, width: B and T.
-  """
-
-  to_packed: jax.Array
-  to_slot: jax.Array
-  batch: int
-  width: int
-
-  def pack(self, a: jax.Array) -> jax.Array:
-    """[B, T, ...] -> [1, P, ...]: the valid slots in order, then padding rows (copies of slot 0)."""
-    flat = a.reshape(self.batch * self.width, *a.shape[2:])
-    return jnp.take(flat, self.to_slot, axis=0)[None]
-
-  def unpack(self, a: jax.Array) -> jax.Array:
-    """[1, P, ...] -> [B, T, ...]: each valid slot's packed entry, zeros in the invalid slots."""
-    flat = jnp.take(a[0], self.to_packed, axis=0, mode="fill", fill_value=0)
-    return flat.reshape(self.batch, self.width, *a.shape[2:])
-
-
-def packing(lens: jax.Array, width: int, size: int) -> Packing:
-  """The `Packing` of rows with ``lens`` [B] valid leading slots (0 <= lens <= `width`) into `size`
-  packed tokens. Precondition (not checked: traced values): ``sum(lens) <= size``; slots past
-  `size` would be dropped."""
-  batch = lens.shape[0]
-  valid = (jnp.arange(width, dtype=jnp.int32)[None, :] < lens[:, None]).reshape(-1)
-  to_packed = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, size).astype(jnp.int32)
-  to_slot = jnp.zeros((size,), jnp.int32).at[to_packed].set(
-      jnp.arange(batch * width, dtype=jnp.int32), mode="drop")
-  return Packing(to_packed, to_slot, batch, width)
-
-
 def _linear(fan_in, fan_out, dtype, param_dtype, rngs):
   return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -287,17 +245,14 @@ class Attention(nnx.Module):
     kv = proj.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision)
     return self._keys_values(kv[..., :nk], kv[..., nk:], positions)
 
-  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-             packed: Packing | None = None) -> jax.Array:
-    """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool;
-    then the output projection, on the `packed` tokens [1, P, E] when given, else [B, T, E].
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.
 
     Softmax in float32; cuDNN's fused form on GPUs where it applies (`kernels.attention`). A query
     whose mask is all False gets zeros (never NaN).
     """
     b, t, n, d = q.shape
-    out = attention.attend(q, k, v, mask).reshape(b, t, n * d)
-    return self.o_proj(out if packed is None else packed.pack(out))
+    return self.o_proj(attention.attend(q, k, v, mask).reshape(b, t, n * d))
 
 
 class MLP(nnx.Module):
@@ -330,18 +285,11 @@ class DecoderLayer(nnx.Module):
     self.post_norm = nnx.RMSNorm(shape.hidden_size, epsilon=shape.rms_eps, **kw)
     self.mlp = MLP(shape, **kw)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, gather_kv,
-               packed: Packing | None = None) -> tuple[jax.Array, object]:
+  def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
     """Runs the layer. ``gather_kv(k, v) -> (keys, values, mask, aux)`` builds what to attend over
-    from this call's own keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache).
-
-    With `packed`, `x` [1, P, E] and `positions` [1, P] are packed tokens: everything but attention
-    runs on them, and queries, keys and values are unpacked to [B, T] for `gather_kv` and attention.
-    """
+    from this call's own keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
     normed = self.input_norm(x)
     q, k, v = self.attention.project(normed, positions)
-    if packed is not None:
-      q, k, v = packed.unpack(q), packed.unpack(k), packed.unpack(v)
     keys, values, mask, aux = gather_kv(k, v)
-    x = x + self.attention.attend(q, keys, values, mask, packed)
+    x = x + self.attention.attend(q, keys, values, mask)
     return x + self.mlp(self.post_norm(x)), aux

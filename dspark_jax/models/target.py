@@ -11,10 +11,6 @@ The call also returns the hidden states of configured layers (`TargetConfig.feat
 is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
 context features a DSpark draft reads (docs/design.md).
 
-`TargetModel.verify` is the call a decoding round verifies with: with per-row verify lengths it packs
-the verified tokens into the smallest of a few static sizes (`verify_sizes`) that holds them
-(`TargetModel.packed`), so a round that verifies fewer tokens runs a cheaper forward.
-
 `TargetModel.forward` and `logits` run the same layers without a cache: causal attention among the
 given tokens only (the counterpart of a Hugging Face ``model(input_ids)``).
 """
@@ -23,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -82,25 +77,6 @@ def qwen3_4b_shape(**overrides) -> TargetConfig:
                 feature_layers=(1, 9, 17, 25, 33), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   values.update(overrides)
   return TargetConfig(**values)
-
-
-VERIFY_FRACTIONS = (0.25, 0.5, 0.75)
-"""The packed verify sizes below the full batch, as fractions of B·T (`verify_sizes`)."""
-
-
-def verify_sizes(batch: int, width: int) -> tuple[int, ...]:
-  """The static packed sizes of a verify of `batch` rows of `width` tokens, ascending: each of
-  `VERIFY_FRACTIONS` of ``batch · width`` rounded up to a multiple of 8 (the matrix tile
-  granularity), those below the full size, then the full size."""
-  full = batch * width
-  sizes = {-(-math.ceil(full * f) // 8) * 8 for f in VERIFY_FRACTIONS}
-  return tuple(sorted(s for s in sizes if s < full)) + (full,)
-
-
-def verify_size_index(lens: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
-  """The index in ascending `sizes` of the smallest size >= ``sum(lens)`` (the last when none)."""
-  return jnp.searchsorted(jnp.asarray(sizes[:-1], jnp.int32), lens.sum(dtype=jnp.int32),
-                          side="left")
 
 
 def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
@@ -168,108 +144,24 @@ class TargetModel(nnx.Module):
     Returns:
       logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
     """
-    return self._cached(tokens, positions, cache)
-
-  def packed(self, tokens: jax.Array, positions: jax.Array, cache: dict, lens: jax.Array, *,
-             size: int) -> tuple[jax.Array, jax.Array, dict]:
-    """Like the call, but only the first ``lens[b]`` tokens of each row are computed: the
-    embedding, projections, MLPs and LM head run on those tokens packed into a batch of `size`
-    (`layers.Packing`); attention keeps the [B, T] layout. A ragged verify batch then costs what
-    its tokens cost, up to the padding to `size`.
-
-    Args:
-      tokens, positions, cache: as for the call.
-      lens: [B] int32 valid leading tokens per row, ``0 <= lens <= T``.
-      size: static packed batch size. Precondition (not checked: traced values):
-        ``sum(lens) <= size``.
-
-    Returns:
-      As the call. Invalid slots (``t >= lens[b]``) hold zero logits and features, and their cache
-      slots zero keys and values: positions past a row's verified tokens, which a decoding loop
-      overwrites before any query can see them.
-    """
-    logits, features, new = self._read_only(tokens, positions, cache, lens, size)
-    return logits, features, self._written(cache, new, positions)
-
-  def verify(self, tokens: jax.Array, positions: jax.Array, cache: dict,
-             lens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
-    """The verify forward of a decoding round: the call, or with `lens` the forward packed to the
-    smallest of `verify_sizes` (B, T) that holds ``sum(lens)`` (`packed`), chosen at run time by
-    `lax.switch`. The switch only reads the cache (attention over the cache in place and the new
-    tokens' keys and values, `kernels.attention.attend_parts`); the new keys and values are written
-    after it, so the cache is updated in place rather than copied into a branch.
-
-    Args:
-      tokens, positions, cache: as for the call ([B, T] tokens).
-      lens: optional [B] int32 tokens to compute per row, ``0 <= lens <= T`` (a round's verify
-        lengths, 0 for finished rows).
-
-    Returns:
-      As the call; with `lens`, slots ``t >= lens[b]`` as in `packed` where a packed size ran.
-      Under `vmap` with batched `lens` every size runs (`lax.switch` becomes a select).
-    """
-    sizes = verify_sizes(*tokens.shape)
-    if lens is None or len(sizes) == 1:
-      return self(tokens, positions, cache)
-    branches = [functools.partial(self._read_only, size=s) for s in sizes[:-1]]
-    branches.append(lambda tokens, positions, cache, lens: self._read_only(
-        tokens, positions, cache, None, None))
-    logits, features, new = jax.lax.switch(verify_size_index(lens, sizes), branches, tokens,
-                                           positions, cache, lens)
-    return logits, features, self._written(cache, new, positions)
-
-  def _read_only(self, tokens, positions, cache, lens, size):
-    """The forward with the cache read in place: (logits, features, the new keys and values)."""
-    packed = None if size is None else layers.packing(lens, tokens.shape[1], size)
+    x = self.embed(tokens)
     start = positions[:, 0]
     slots = jnp.arange(cache["k"][0].shape[1])
-    before = jnp.broadcast_to(slots[None, None, :] < start[:, None, None],
-                              (*tokens.shape, slots.shape[0]))          # [B, T, S]
-    causal = positions[:, None, :] <= positions[:, :, None]             # [B, T, T]
-
-    def attend_over(i):
-      return lambda k, v: ((cache["k"][i], k), (cache["v"][i], v), (before, causal), (k, v))
-
-    return self._layers(tokens, positions, attend_over, packed)
-
-  @staticmethod
-  def _written(cache, new, positions):
-    start = positions[:, 0]
-    return {name: tuple(layers.write_rows(c, n, start) for c, n in zip(cache[name], new[name]))
-            for name in ("k", "v")}
-
-  def _layers(self, tokens, positions, attend_over, packed: layers.Packing | None):
-    """Embedding, the layers (``attend_over(i)`` is layer i's ``gather_kv``), the final norm and
-    LM head: (logits, features, {"k": layer auxes' keys, "v": values}), packed when `packed`."""
-    if packed is not None:
-      tokens, positions = packed.pack(tokens), packed.pack(positions)
-    x = self.embed(tokens)
+    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      x, (keys, values) = layer(x, positions, attend_over(i), packed)
+      def gather_kv(k, v, i=i):
+        keys = layers.write_rows(cache["k"][i], k, start)
+        values = layers.write_rows(cache["v"][i], v, start)
+        return keys, values, mask, (keys, values)
+      x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
       new_v.append(values)
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     logits = self.logits(self.final_norm(x))
-    if packed is not None:
-      logits, features = packed.unpack(logits), packed.unpack(features)
     return logits, features, {"k": tuple(new_k), "v": tuple(new_v)}
-
-  def _cached(self, tokens, positions, cache):
-    start = positions[:, 0]
-    slots = jnp.arange(cache["k"][0].shape[1])
-    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
-
-    def attend_over(i):
-      def gather_kv(k, v):
-        keys = layers.write_rows(cache["k"][i], k, start)
-        values = layers.write_rows(cache["v"][i], v, start)
-        return keys, values, mask, (keys, values)
-      return gather_kv
-
-    return self._layers(tokens, positions, attend_over, None)
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")

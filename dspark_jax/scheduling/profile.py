@@ -4,17 +4,11 @@ This module owns `profile_sps`, the measurement behind the ``sps`` table that th
 `schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
 passes per second with n batch tokens.
 
-**What is timed.** The target's verify forward (`TargetModel.verify`) over rows of γ + 1 tokens
-(anchor and γ drafts) at positions ``context .. context + γ``, as in a decoding round. Two forms:
-
-* ``rows=R`` (what a decode of R rows with a schedule pays): n batch tokens are R rows' verify
-  lengths summing to n, and the forward runs packed to the smallest of
-  ``target.verify_sizes(R, γ + 1)`` that holds them, as the decoding loop runs it; the sizes n
-  that share a packed size share one measurement, so the table is a step function of n.
-* ``rows=None``: n batch tokens are ``ceil(n / (γ + 1))`` full rows, unpacked (a batch whose row
-  count grows with n, as in an engine that admits requests).
-
-Each sample runs ``steps`` forwards
+**What is timed.** The target's cached forward over rows of γ + 1 tokens (anchor and γ drafts) at
+positions ``context .. context + γ``, as in a decoding round: n batch tokens are covered by
+``rows = ceil(n / (γ + 1))`` rows, so the forward sees ``rows · (γ + 1) ≥ n`` tokens (the decoding
+loop's verify forward has this static [B, γ + 1] shape; a verify batch packed to exactly n tokens
+would need its own kernel, which this library does not build). Each sample runs ``steps`` forwards
 back to back inside one compiled `lax.fori_loop` (no host dispatch between them, as inside the
 decoding loop), after ``warmup`` untimed samples; the rate is ``steps / median(seconds)`` over
 ``repeats`` samples. The cache contents do not change the work (attention is masked by position
@@ -48,9 +42,7 @@ class SpsProfile:
   Attributes:
     batch_tokens: [n] int64 the requested verify batch sizes, ascending.
     steps_per_second: [n] float64 verify forwards per second at each.
-    rows: [n] int64 rows of γ + 1 tokens the forward ran.
-    packed_size: [n] int64 tokens the forward computed (``rows · (γ + 1)`` unpacked, else the
-      packed size).
+    rows: [n] int64 rows of γ + 1 tokens the forward ran (``rows · (γ + 1) >= batch_tokens``).
     seconds: [n, repeats] float64 the timed samples (each of ``steps`` forwards).
     context, gamma, steps: the settings measured.
     device: the accelerator, in words. date: when (ISO 8601, UTC).
@@ -59,7 +51,6 @@ class SpsProfile:
   batch_tokens: np.ndarray
   steps_per_second: np.ndarray
   rows: np.ndarray
-  packed_size: np.ndarray
   seconds: np.ndarray
   context: int
   gamma: int
@@ -76,8 +67,7 @@ class SpsProfile:
     from dspark_jax.scheduling import schedules  # the table format belongs to the schedules
     schedules.save_sps(path, (self.batch_tokens.tolist(), self.steps_per_second.tolist()),
                        {"device": self.device, "date": self.date, "context": self.context,
-                        "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist(),
-                        "packed_size": self.packed_size.tolist()})
+                        "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist()})
 
 
 def _check_batch_tokens(batch_tokens) -> np.ndarray:
@@ -97,44 +87,33 @@ def _device_name() -> str:
   return f"{device.platform}: {device.device_kind} (jax {jax.__version__})"
 
 
-def _spread(n: int, rows: int, width: int) -> np.ndarray:
-  """[rows] int32 verify lengths summing to `n`, as even as possible (<= `width` each)."""
-  lens = np.full(rows, n // rows, np.int32)
-  lens[:n % rows] += 1
-  return lens
-
-
-def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: int, steps: int,
-                    packed: bool = False):
-  """A compiled function of the verify lengths (None unless `packed`) running `steps` verify
-  forwards of `rows` rows; returns it ready to call."""
+def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: int, steps: int):
+  """A compiled thunk running `steps` verify forwards of `rows` rows; returns it ready to call."""
   config = nnx.merge(target_def, target_state).config
   width = gamma + 1
-  example = jnp.full((rows,), width, jnp.int32) if packed else None
   tokens = jnp.zeros((rows, width), jnp.int32)
   positions = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (rows, width))
   cache = tm.init_cache(config, rows, context + width)
 
   @jax.jit
-  def run(state, cache, lens):  # lens an argument: the size is chosen at run time, as in a decode
+  def run(state, cache):
     target = nnx.merge(target_def, state)
 
     def body(_, carry):
       cache, total = carry
-      logits, _, cache = target.verify(tokens, positions, cache, lens)
+      logits, _, cache = target(tokens, positions, cache)
       return cache, total + logits[:, -1, 0].astype(jnp.float32).sum()  # keeps the forward live
 
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))[1]
 
-  compiled = run.lower(target_state, cache, example).compile()
-  return lambda lens: jax.block_until_ready(compiled(target_state, cache, lens))
+  compiled = run.lower(target_state, cache).compile()
+  return lambda: jax.block_until_ready(compiled(target_state, cache))
 
 
 def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
                 batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, context: int = 1024,
-                gamma: int | None = None, rows: int | None = None, repeats: int = 5,
-                warmup: int = 1, steps: int = 8, path: str | os.PathLike | None = None
-                ) -> SpsProfile:
+                gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
+                path: str | os.PathLike | None = None) -> SpsProfile:
   """Measures the target's verify steps per second at each verify batch size (module docstring).
 
   Args:
@@ -143,8 +122,6 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     batch_tokens: verify batch sizes n ≥ 1 to measure (sorted, duplicates dropped).
     context: the position of each row's anchor: the context length the forward attends over.
     gamma: drafts per block (default: the draft's).
-    rows: the decode's batch size R: time the packed verify of R rows (module docstring); every
-      size must be <= R · (γ + 1). None: full rows, unpacked.
     repeats: timed samples per size (the median is kept). warmup: untimed samples first.
     steps: forwards per sample, back to back in one compiled loop.
     path: if given, the table is saved there as JSON (`SpsProfile.save`).
@@ -155,7 +132,7 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
 
   Raises:
     ValueError: bad sizes or settings (naming the argument), no γ, a γ that differs from the
-      draft's, a size above ``rows · (γ + 1)``.
+      draft's.
   """
   if not isinstance(target, tm.TargetModel):
     raise ValueError(f"target: expected a TargetModel, got {type(target).__name__}")
@@ -171,42 +148,23 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   gamma = validation.check_positive_int("gamma", gamma)
   if draft is not None and draft.config.gamma != gamma:
     raise ValueError(f"gamma: {gamma}, but the draft drafts γ = {draft.config.gamma}")
-  width = gamma + 1
-  if rows is None:
-    row_counts = -(-sizes // width)
-    packed_size = row_counts * width
-    keys = [(int(r), None) for r in row_counts]
-  else:
-    rows = validation.check_positive_int("rows", rows)
-    if sizes[-1] > rows * width:
-      raise ValueError(f"batch_tokens: {sizes[-1]} is more than rows x (γ + 1) = {rows * width}")
-    row_counts = np.full(sizes.shape, rows, np.int64)
-    options = tm.verify_sizes(rows, width)
-    packed_size = np.array([options[int(tm.verify_size_index(jnp.asarray([n]), options))]
-                            for n in sizes], np.int64)
-    keys = [(rows, int(p)) for p in packed_size]
   target_def, target_state = nnx.split(target)
-  measured, programs = {}, {}  # sizes that run the same forward share one measurement
-  for key, n in zip(keys, sizes):
-    if key in measured:
-      continue
-    n_rows, packed = key
-    if n_rows not in programs:  # one program per row count; a packed one takes the lengths
-      programs[n_rows] = _timed_forwards(target_def, target_state, n_rows, context, gamma, steps,
-                                         packed is not None)
-    lens = None if packed is None else jnp.asarray(_spread(int(n), n_rows, width))
+  rows = -(-sizes // (gamma + 1))
+  measured = {}  # sizes that need the same rows share one measurement
+  for n_rows in np.unique(rows):
+    call = _timed_forwards(target_def, target_state, int(n_rows), context, gamma, steps)
     for _ in range(warmup):
-      programs[n_rows](lens)
+      call()
     samples = []
     for _ in range(repeats):
       start = time.perf_counter()
-      programs[n_rows](lens)
+      call()
       samples.append(time.perf_counter() - start)
-    measured[key] = samples
-  seconds = np.array([measured[key] for key in keys], np.float64)
+    measured[int(n_rows)] = samples
+  seconds = np.array([measured[int(n)] for n in rows], np.float64)
   profile = SpsProfile(
-      batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=row_counts,
-      packed_size=packed_size, seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),
+      batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=rows,
+      seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   if path is not None:
     profile.save(path)
