@@ -24,8 +24,8 @@
   draft's confidence temperatures first; ``--throughput-batches 1,16,64`` adds tokens/s per batch
   size and its plot. ``--json`` prints the JSON document instead of the table.
 * ``dspark-jax calibrate --out FILE.json [--target DIR --draft DIR --dataset FILE]``: decodes a
-  calibration set (the shipped pair: held-out prompts from ``--first-prompt``, default 42, the
-  second half) with the fixed schedule and ``trace=True``, fits the confidence head's STS
+  calibration set (the shipped pair: held-out prompts from ``--first-prompt``, default 42; the
+  schedule study evaluates on the first 42) with the fixed schedule and ``trace=True``, fits the confidence head's STS
   temperatures, prints ECE and AUC per position before/after, writes the temperatures (JSON) and a
   reliability diagram; ``--save-draft DIR`` writes a pretrained draft with them
   (``confidence_temperatures`` in its DeepSpec config).
