@@ -85,7 +85,7 @@ def test_demo_runs_end_to_end(capsys):
 
 @pytest.mark.slow
 def test_eval_runs_end_to_end(tmp_path, capsys):
-  assert cli.main(["eval", "--prompts", "3", "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
+  assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
   result = json.load(open(tmp_path / "acceptance.json"))
   assert {(r["drafter"], r["temperature"]) for r in result["rows"]} == {
       ("dspark", 0.0), ("dspark", 1.0), ("parallel (ablation)", 0.0), ("parallel (ablation)", 1.0)}

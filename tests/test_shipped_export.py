@@ -3,16 +3,15 @@ directory and the drafts as DeepSpec directories, and `load_pretrained` gives th
 
 The shipped drafts read target layers that are not the final one, so the DeepSpec format can express
 them (`scripts/train_pair.py --stage export-hf` does the same at scale). Weights are compared bit
-for bit in their storage dtypes. The models are loaded here in bf16 compute, as `load_pretrained`
-does by default, so the round-tripped pair and the shipped one build the same program (their
-configs differ only in `max_position_embeddings`, which is not enforced): greedy tokens must agree
-exactly.
+for bit in their storage dtypes and the configs field by field (they differ only in
+`max_position_embeddings`, which is not enforced), so the round-tripped pair and the shipped one
+build the same programs; decoding equality is proven on tiny pairs against transformers and DeepSpec
+(tests/test_qwen3_format.py, tests/test_deepspec_format.py).
 """
 
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,18 +67,3 @@ def test_shipped_pair_saves_and_loads_back_exactly(exported):
   temperatures = pair.draft.confidence.temperatures
   assert temperatures is not None
   assert config["confidence_temperatures"] == [float(t) for t in np.asarray(temperatures[...])]
-
-
-@pytest.mark.slow  # two compilations of the speculative loop: 10-20 s on 2 cores
-def test_round_tripped_pair_generates_the_shipped_tokens(exported):
-  pair, root = exported
-  target, draft = dj.load_pretrained(str(root / "target"), str(root / "draft"))
-  prompt = [pair.encode(pair.prompts[0])[:48]]
-  greedy = dj.SamplingParams(temperature=0.0, batch_size=1)
-  ours = dj.generate(pair.target, pair.draft, prompt, greedy, jax.random.key(0), max_new_tokens=16)
-  back = dj.generate(target, draft, prompt, greedy, jax.random.key(0), max_new_tokens=16)
-  assert int(ours.lengths[0]) == 16
-  np.testing.assert_array_equal(back.tokens, ours.tokens)
-  np.testing.assert_array_equal(back.accepted, ours.accepted)
-  np.testing.assert_array_equal(back.reached, ours.reached)
-
