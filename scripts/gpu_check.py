@@ -61,8 +61,10 @@ TESTS = (
 TEST_MARKS = "kernel or gpu"
 """On the GPU: every test that runs a kernel, the law tests marked slow too (slow only in the
 CPU's interpreter). With --cpu-smoke: the tests not marked slow."""
-EVAL_MIN_TAU = 2.0
-"""The DSpark drafter's greedy τ on the eval subset must reach this (3.5 on all prompts, 128 tokens)."""
+EVAL_MIN_TAU = 1.6
+"""The DSpark drafter's greedy τ on the eval subset must reach this: a broken draft path gives ~1;
+the shipped pair gave 2.06 on the subset on the H200 (2026-12-02) and 3.77 on all prompts, 128
+tokens."""
 MIN_STEP_SECONDS = 20
 GPU_BUDGET_S = 470
 SMOKE_BUDGET_S = 3600
