@@ -85,13 +85,15 @@ def test_demo_runs_end_to_end(capsys):
 
 @pytest.mark.slow
 def test_eval_runs_end_to_end(tmp_path, capsys):
-  assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
+  # One temperature (one decode program per drafter; the notebook and gpu_check run both).
+  assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--temperatures", "1",
+                   "--out", str(tmp_path)]) == 0
   result = json.load(open(tmp_path / "acceptance.json"))
   assert {(r["drafter"], r["temperature"]) for r in result["rows"]} == {
-      ("dspark", 0.0), ("dspark", 1.0), ("parallel (ablation)", 0.0), ("parallel (ablation)", 1.0)}
+      ("dspark", 1.0), ("parallel (ablation)", 1.0)}
   assert all(r["tau"] >= 1.0 for r in result["rows"])
   assert (tmp_path / "acceptance.png").stat().st_size > 1000
-  assert "| dspark | 0 |" in capsys.readouterr().out
+  assert "| dspark | 1 |" in capsys.readouterr().out
 
 
 TINY = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(-1, 1),
