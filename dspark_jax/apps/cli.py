@@ -25,10 +25,10 @@
   size and its plot. ``--json`` prints the JSON document instead of the table.
 * ``dspark-jax calibrate --out FILE.json [--target DIR --draft DIR --dataset FILE]``: decodes a
   calibration set (the shipped pair: held-out prompts from ``--first-prompt``, default 42; the
-  schedule study evaluates on the first 42) with the fixed schedule and ``trace=True``, fits the confidence head's STS
-  temperatures, prints ECE and AUC per position before/after, writes the temperatures (JSON) and a
-  reliability diagram; ``--save-draft DIR`` writes a pretrained draft with them
-  (``confidence_temperatures`` in its DeepSpec config).
+  schedule study evaluates on the first 42) with the fixed schedule and ``trace=True``, fits the
+  confidence head's STS temperatures, prints ECE and AUC per position before/after, writes the
+  temperatures (JSON) and a reliability diagram; ``--save-draft DIR`` writes a pretrained draft
+  with them (``confidence_temperatures`` in its DeepSpec config).
 * ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.apps.sampler_demo`).
 * ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
   those shapes on the current device and prints the memory gate's decision, the backend of every
