@@ -31,7 +31,7 @@ def test_xla_form_matches_a_float64_reference_and_zeroes_empty_rows():
   rng = np.random.default_rng(0)
   b, t, s, n, k, d = 2, 3, 5, 4, 2, 8
   q, keys, values = (rng.normal(size=shape).astype(np.float32)
-                     for shape in ((b, t, n, d), (b, s, k, d), (b, s, k, d)))
+                     for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
   mask = rng.random((b, t, s)) < 0.6
   mask[1, 2] = False
   out = np.asarray(attention.attend_xla(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
@@ -41,10 +41,10 @@ def test_xla_form_matches_a_float64_reference_and_zeroes_empty_rows():
     for ti in range(t):
       for h in range(n):
         kv = h // (n // k)
-        sc = keys[bi, :, kv].astype(np.float64) @ q[bi, ti, h] / np.sqrt(d)
+        sc = keys[bi, kv].astype(np.float64) @ q[bi, ti, h] / np.sqrt(d)
         if mask[bi, ti].any():
           w = np.where(mask[bi, ti], np.exp(sc - sc[mask[bi, ti]].max()), 0.0)
-          ref[bi, ti, h] = (w / w.sum()) @ values[bi, :, kv]
+          ref[bi, ti, h] = (w / w.sum()) @ values[bi, kv]
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)  # float32 rounding of 5-term sums
   assert np.all(out[1, 2] == 0)
 
@@ -54,10 +54,16 @@ def test_cudnn_form_matches_xla_form_on_the_gpu():
   rng = np.random.default_rng(1)
   b, t, s, n, k, d = 4, 8, 256, 8, 2, 128
   q, keys, values = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-                     for shape in ((b, t, n, d), (b, s, k, d), (b, s, k, d)))
+                     for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
   pos = jnp.asarray(rng.integers(t, s - t, b))[:, None] + jnp.arange(t)[None]
   mask = jnp.arange(s)[None, None] <= pos[:, :, None]
-  ref = np.asarray(attention.attend_xla(q, keys, values, mask), np.float32)
-  out = np.asarray(attention.attend_cudnn(q, keys, values, mask), np.float32)
-  # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative) of each other.
-  np.testing.assert_allclose(out, ref, atol=4 * 2.0**-8 * np.abs(ref).max())
+  mask = mask.at[0, 0].set(False)  # a query with nothing to attend to gets zeros
+  # The verify pass's 8 queries, and the autoregressive step's one (its own reshape path).
+  for queries in (q, q[:, -1:]):
+    rows = mask[:, -queries.shape[1]:]
+    ref = np.asarray(attention.attend_xla(queries, keys, values, rows), np.float32)
+    out = np.asarray(attention.attend_cudnn(queries, keys, values, rows), np.float32)
+    # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative) of each other.
+    np.testing.assert_allclose(out, ref, atol=4 * 2.0**-8 * np.abs(ref).max())
+    if queries.shape[1] == t:
+      assert np.all(out[0, 0] == 0)

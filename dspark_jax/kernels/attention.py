@@ -3,10 +3,17 @@
 This module owns the attention of the target and the draft layers (`models.layers.Attention`):
 
 * ``xla``: two einsums with the scores and the softmax in float32, written here; runs everywhere.
-* ``cudnn``: `jax.nn.dot_product_attention` with ``implementation="cudnn"`` (cuDNN's fused flash
-  attention: no [B, heads, T, S] score tensor in memory, keys read in place from the [B, S, K, D]
-  cache). Same math; the probabilities are rounded to the value dtype before the second product, as
-  in the ``xla`` form.
+* ``cudnn``: cuDNN's fused flash attention (no [B, heads, T, S] score tensor in memory) in its
+  head-major ``BNTH`` layout, so the keys are read in place from the [B, K, S, D] cache. JAX's
+  public `jax.nn.dot_product_attention` takes only the token-major layout, which would copy the
+  cache; the head-major call is JAX's own cuDNN entry point,
+  ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``, and `cudnn_precondition`
+  fails (so ``auto`` takes ``xla``) where this JAX does not have it. Same math; the probabilities
+  are rounded to the value dtype before the second product, as in the ``xla`` form.
+
+Keys and values are head-major, [B, K, S, D] (K key/value heads, S slots), the layout of the
+target's KV cache and the draft's context cache: each head's keys are contiguous, so neither form
+transposes the cache (the token-major [B, S, K, D] layout made XLA copy it in every verify pass).
 
 `choose` decides from the platform, dtype, head size and number of queries; ``auto`` (the default)
 takes ``cudnn`` for one query per row (the autoregressive step) wherever its preconditions hold,
@@ -32,11 +39,22 @@ def _platform() -> str:
   return jax.default_backend()
 
 
+def _cudnn_entry():
+  """JAX's head-major cuDNN attention entry point and its mask-type enum, or None if absent."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    return fa.dot_product_attention, fa.MaskType.NO_MASK
+  except (ImportError, AttributeError):
+    return None
+
+
 def cudnn_precondition(dtype, head_dim: int, platform: str | None = None) -> str | None:
   """The first failed precondition of the cuDNN form, or None when it may run."""
   platform = platform or _platform()
   if platform != "gpu":
     return f"platform is {platform!r}, not 'gpu'"
+  if _cudnn_entry() is None:
+    return f"this JAX ({jax.__version__}) has no head-major cuDNN attention entry point"
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
     return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
   if head_dim % 8 or head_dim > 128:
@@ -70,26 +88,31 @@ def choose(dtype, head_dim: int, implementation: str | None = None,
 
 
 def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """[B, T, N, D] queries over [B, S, K, D] keys/values, `mask` [B, T, S] bool -> [B, T, N, D].
+  """[B, T, N, D] queries over [B, K, S, D] keys/values, `mask` [B, T, S] bool -> [B, T, N, D].
 
-  Scores and softmax in float32; a query whose mask is all False gets zeros (never NaN).
+  Query head h reads key/value head ``h // (N // K)``. Scores and softmax in float32; a query whose
+  mask is all False gets zeros (never NaN).
   """
   b, t, n, d = q.shape
-  groups = n // k.shape[2]
-  q = q.reshape(b, t, k.shape[2], groups, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  groups = n // k.shape[1]
+  q = q.reshape(b, t, k.shape[1], groups, d)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(d))
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
   weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+  out = jnp.einsum("bkgts,bksd->btkgd", weights, v)
   return out.reshape(b, t, n, d)
 
 
 def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """As `attend_xla`, through cuDNN's fused attention (`cudnn_precondition` must hold)."""
-  out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                     mask=mask[:, None, :, :], implementation="cudnn")
+  b, t, n, d = q.shape
+  fused, no_mask = _cudnn_entry()
+  heads_first = q.reshape(b, n, 1, d) if t == 1 else jnp.swapaxes(q, 1, 2)   # [B, N, T, D]
+  out = fused(heads_first, k.astype(q.dtype), v.astype(q.dtype), None, mask[:, None, :, :],
+              scale=1.0 / float(d) ** 0.5, mask_type=no_mask, qkv_layout="BNTH")
+  out = out.reshape(b, t, n, d) if t == 1 else jnp.swapaxes(out, 1, 2)
   return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 

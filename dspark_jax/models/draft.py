@@ -131,8 +131,8 @@ class DSparkDraft(nnx.Module):
                                if config.confidence else None)
 
   def init_context(self, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
-    """A zeroed context cache: per draft layer, keys and values [B, S, K, D]."""
-    shape = (batch, length, self.shape.num_kv_heads, self.shape.head_dim)
+    """A zeroed context cache: per draft layer, head-major keys and values [B, K, S, D]."""
+    shape = (batch, self.shape.num_kv_heads, length, self.shape.head_dim)
     return {name: tuple(jnp.zeros(shape, self.config.dtype) for _ in self.layers)
             for name in ("k", "v")}
 
@@ -153,8 +153,8 @@ class DSparkDraft(nnx.Module):
     out = {"k": [], "v": []}
     for i, layer in enumerate(self.layers):
       k, v = layer.attention.keys_values(states, positions)
-      out["k"].append(layers.write_rows(context["k"][i], k, start))
-      out["v"].append(layers.write_rows(context["v"][i], v, start))
+      out["k"].append(layers.write_heads(context["k"][i], k, start))
+      out["v"].append(layers.write_heads(context["v"][i], v, start))
     return {name: tuple(arrays) for name, arrays in out.items()}
 
   def __call__(self, target: tm.TargetModel, anchor: jax.Array, anchor_pos: jax.Array,
@@ -176,15 +176,16 @@ class DSparkDraft(nnx.Module):
          jnp.full((batch, gamma - 1), self.config.mask_token_id, jnp.int32)], axis=1)
     x = jax.lax.stop_gradient(target.embed(block)).astype(self.config.dtype)
     positions = anchor_pos[:, None] + jnp.arange(gamma)[None, :]
-    slots = jnp.arange(context["k"][0].shape[1])
+    slots = jnp.arange(context["k"][0].shape[2])
     mask = jnp.concatenate([
         jnp.broadcast_to((slots[None, :] < anchor_pos[:, None])[:, None, :],
                          (batch, gamma, slots.shape[0])),
         jnp.ones((batch, gamma, gamma), bool)], axis=2)                    # [B, γ, S + γ]
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
-        return (jnp.concatenate([context["k"][i], k.astype(context["k"][i].dtype)], axis=1),
-                jnp.concatenate([context["v"][i], v.astype(context["v"][i].dtype)], axis=1),
+        dtype = context["k"][i].dtype
+        return (jnp.concatenate([context["k"][i], layers.heads_first(k).astype(dtype)], axis=2),
+                jnp.concatenate([context["v"][i], layers.heads_first(v).astype(dtype)], axis=2),
                 mask, None)
       x, _ = layer(x, positions, gather_kv)
     hidden = self.final_norm(x)

@@ -7,10 +7,11 @@ This module owns the pieces both models are made of, as flax nnx modules:
   "yarn", "llama3"), each computed as transformers' ``modeling_rope_utils`` computes it;
 * `Attention`: q/k/v/o projections without bias, per-head RMSNorm on queries and keys, RoPE, grouped-
   query attention (``num_heads`` query heads share ``num_kv_heads`` key/value heads). It exposes its
-  halves (`Attention.queries`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
+  halves (`Attention.project`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
   keys and values from two sources (context and block) into one attention;
 * `MLP`: the SwiGLU feed-forward block;
-* `write_rows`: writes a contiguous run of per-row entries into a static-size cache.
+* `write_rows`, `write_heads`: write a contiguous run of per-row entries into a static-size
+  buffer; `write_heads` into a head-major [B, K, S, D] key/value cache, the layout attention reads.
 
 Shapes: B batch, T tokens, S cache slots, N query heads, K key/value heads, D head dim, E hidden size.
 """
@@ -194,6 +195,18 @@ def write_rows(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Arr
       cache, values.astype(cache.dtype), start)
 
 
+def heads_first(x: jax.Array) -> jax.Array:
+  """Token-major keys or values [B, T, K, D] -> head-major [B, K, T, D] (attention's layout)."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def write_heads(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes token-major [B, T, K, D] `values` into a head-major [B, K, S, D] `cache` at slots
+  ``start_b .. start_b + T - 1``."""
+  return jax.vmap(lambda c, v, s: jax.lax.dynamic_update_slice_in_dim(c, v, s, axis=1))(
+      cache, heads_first(values).astype(cache.dtype), start)
+
+
 def _linear(fan_in, fan_out, dtype, param_dtype, rngs):
   return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -246,7 +259,8 @@ class Attention(nnx.Module):
     return self._keys_values(kv[..., :nk], kv[..., nk:], positions)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Attention of [B, T, N, D] queries over [B, S, K, D] keys/values; `mask` [B, T, S] bool.
+    """Attention of [B, T, N, D] queries over head-major [B, K, S, D] keys/values; `mask`
+    [B, T, S] bool.
 
     Softmax in float32; cuDNN's fused form on GPUs where it applies (`kernels.attention`). A query
     whose mask is all False gets zeros (never NaN).
@@ -287,7 +301,8 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
     """Runs the layer. ``gather_kv(k, v) -> (keys, values, mask, aux)`` builds what to attend over
-    from this call's own keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
+    (head-major keys/values [B, K, S, D], `mask` [B, T, S]) from this call's own token-major
+    keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
     normed = self.input_norm(x)
     q, k, v = self.attention.project(normed, positions)
     keys, values, mask, aux = gather_kv(k, v)

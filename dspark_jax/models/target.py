@@ -80,12 +80,13 @@ def qwen3_4b_shape(**overrides) -> TargetConfig:
 
 
 def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
-  """A zeroed KV cache: ``{"k": (...), "v": (...)}``, one [B, S, K, D] array per layer.
+  """A zeroed KV cache: ``{"k": (...), "v": (...)}``, one head-major [B, K, S, D] array per layer.
 
   One array per layer (not one stacked array) so that each layer's write is an in-place update of
-  its own buffer inside a compiled loop.
+  its own buffer inside a compiled loop. Head-major so that attention reads each head's keys
+  contiguously, in place (`kernels.attention`).
   """
-  shape = (batch, length, config.layer.num_kv_heads, config.layer.head_dim)
+  shape = (batch, config.layer.num_kv_heads, length, config.layer.head_dim)
   return {name: tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
           for name in ("k", "v")}
 
@@ -127,7 +128,8 @@ class TargetModel(nnx.Module):
     x = self.embed(tokens)
     saved = {-1: x}
     for i, layer in enumerate(self.layers):
-      x, _ = layer(x, positions, lambda k, v: (k, v, mask, None))
+      x, _ = layer(x, positions,
+                   lambda k, v: (layers.heads_first(k), layers.heads_first(v), mask, None))
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     return self.logits(self.final_norm(x)), features
@@ -146,14 +148,14 @@ class TargetModel(nnx.Module):
     """
     x = self.embed(tokens)
     start = positions[:, 0]
-    slots = jnp.arange(cache["k"][0].shape[1])
+    slots = jnp.arange(cache["k"][0].shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
-        keys = layers.write_rows(cache["k"][i], k, start)
-        values = layers.write_rows(cache["v"][i], v, start)
+        keys = layers.write_heads(cache["k"][i], k, start)
+        values = layers.write_heads(cache["v"][i], v, start)
         return keys, values, mask, (keys, values)
       x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
