@@ -9,7 +9,8 @@
   and prints each completion, its finish reason, τ and tokens/s. Without ``--draft`` it decodes
   autoregressively; without ``--target`` it uses the shipped pair and its tokenizer.
 * ``dspark-jax eval``: without ``--target`` and ``--dataset``, the shipped pair's acceptance study,
-  DSpark drafter vs parallel ablation at T = 0 and 1. With ``--target DIR --draft DIR --dataset
+  DSpark drafter vs parallel ablation at T = 0 and 1, with the plain decode's tokens/s beside them
+  (``--batch-size`` rows at a time; default all prompts in one batch). With ``--target DIR --draft DIR --dataset
   FILE.jsonl`` (DeepSpec's eval format; the first turn is the prompt; ``--chat`` applies the chat
   template), the pair's τ with its 95 % interval, per-position acceptance with Wilson intervals and
   tokens/s at each ``--temperature`` (default 1, ``--max-new-tokens`` 2048, ``--batch-size`` 1: the
@@ -81,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--first-prompt", type=flags.nonnegative, default=0,
                         help="skip the first N prompts (e.g. those calibrate used)")
   evaluate.add_argument("--batch-size", type=flags.positive, default=None,
-                        help="rows per decode (default: 1; 8 with --schedule)")
+                        help="rows per decode (default: all prompts for the shipped study; 1 with "
+                             "--dataset; 8 with --schedule)")
   evaluate.add_argument("--max-new-tokens", type=flags.positive, default=None,
                         help="default: 128 for the shipped study, 2048 for a dataset")
   evaluate.add_argument("--temperatures", "--temperature", dest="temperatures",
@@ -269,12 +271,16 @@ def evaluate(args) -> int:
       pair = dataclasses.replace(pair, prompts=pair.prompts[args.first_prompt:])
     temperatures = args.temperatures or [0.0, 1.0]
     max_new_tokens = args.max_new_tokens or 128
+    count = len(pair.prompts[:args.prompts] if args.prompts else pair.prompts)
+    batch_size = args.batch_size or count
     rows = evaluation.acceptance_study(pair, num_prompts=args.prompts,
                                        max_new_tokens=max_new_tokens,
-                                       temperatures=temperatures, seed=args.seed,
-                                       progress=not args.json)
-    count = len(pair.prompts[:args.prompts] if args.prompts else pair.prompts)
-    about = {"first_prompt": args.first_prompt}
+                                       temperatures=temperatures, batch_size=batch_size,
+                                       seed=args.seed, progress=not args.json)
+    about = {"first_prompt": args.first_prompt, "batch_size": batch_size}
+    if not args.json:
+      print(f"shipped pair: {count} held-out prompts, batch size {batch_size}, "
+            f"max {max_new_tokens} new tokens")
   else:
     if args.dataset is None:
       flags.fail("eval", "--dataset", "required with --target")

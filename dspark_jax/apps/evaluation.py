@@ -26,6 +26,7 @@ from tokens/s); rows stop at the tokenizer's stop ids (the shipped pair: ``<|end
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -111,35 +112,61 @@ def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
 
 def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = None,
                      max_new_tokens: int = 128, temperatures: Sequence[float] = (0.0, 1.0),
-                     seed: int = 0, progress: bool = True) -> list[StudyRow]:
-  """Runs the study on the first `num_prompts` held-out prompts (all by default)."""
+                     batch_size: int | None = None, seed: int = 0,
+                     progress: bool = True) -> list[StudyRow]:
+  """Runs the study on the first `num_prompts` held-out prompts (all by default).
+
+  Each temperature decodes the prompts plainly (the baseline tokens/s) and with both drafters,
+  `batch_size` rows at a time (default: all prompts in one batch); prompt i has seed ``seed + i``.
+  """
   from tqdm.auto import tqdm
 
   texts = pair.prompts[:num_prompts] if num_prompts else pair.prompts
   prompts = [pair.encode(t) for t in texts]
+  batches = _batches(len(prompts), len(prompts) if batch_size is None else batch_size)
   drafters = {"dspark": pair.draft, "parallel (ablation)": pair.ablation}
+  stop_ids = list(pair.tokenizer.stop_token_ids)
   rows = []
-  bar = tqdm(total=len(temperatures) * (len(drafters) + 1), desc="eval", disable=not progress)
+  bar = tqdm(total=len(temperatures) * (len(drafters) + 1) * len(batches), desc="eval",
+             disable=not progress)
   for temperature in temperatures:
-    params = sp.SamplingParams(temperature=np.full(len(prompts), temperature),
-                               seed=np.arange(len(prompts)) + seed)
-    key = jax.random.key(seed)
-    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=list(pair.tokenizer.stop_token_ids))
-    baseline = decoding.generate(pair.target, None, prompts, params, key, spec=False, **common)
-    bar.update(1)
+    decode = functools.partial(_decode_batches, pair.target, prompts, batches, temperature, seed,
+                               max_new_tokens, stop_ids, bar)
+    plain = decode(None)
     for name, draft in drafters.items():
-      result = decoding.generate(pair.target, draft, prompts, params, key, **common)
-      rows.append(StudyRow(drafter=name, temperature=float(temperature), tau=result.tau,
-                           acceptance=result.acceptance, rounds=result.rounds,
-                           tau_interval=tau_interval(result.row_accepted, result.row_rounds),
-                           acceptance_interval=wilson_interval(result.accepted, result.reached),
-                           reached=result.reached, accepted=result.accepted,
-                           tokens=int(result.lengths.sum()),
-                           tokens_per_second=result.tokens_per_second,
-                           baseline_tokens_per_second=baseline.tokens_per_second))
-      bar.update(1)
+      rows.append(_study_row(name, temperature, decode(draft), plain.tokens_per_second))
   bar.close()
   return rows
+
+
+def _batches(count: int, batch_size: int) -> list[range]:
+  """Consecutive batches of `batch_size` prompt indices (the last may be smaller)."""
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+  return [range(i, min(i + batch_size, count)) for i in range(0, count, batch_size)]
+
+
+def _decode_batches(target, prompts, batches, temperature, seed, max_new_tokens, stop_ids, bar,
+                    draft) -> "Pooled":
+  """Decodes `prompts` batch by batch (speculatively with `draft`, plainly if None), pooled."""
+  results = []
+  for rows_of in batches:
+    params = sp.SamplingParams(temperature=np.full(len(rows_of), float(temperature)),
+                               seed=np.asarray(rows_of) + seed)
+    results.append(decoding.generate(
+        target, draft, [prompts[i] for i in rows_of], params, jax.random.key(seed),
+        max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, spec=draft is not None))
+    bar.update(1)
+  return pool(results)
+
+
+def _study_row(name: str, temperature: float, pooled: "Pooled", plain: float) -> StudyRow:
+  return StudyRow(drafter=name, temperature=float(temperature), tau=pooled.tau,
+                  acceptance=pooled.acceptance, rounds=pooled.rounds,
+                  tau_interval=tau_interval(pooled.row_accepted, pooled.row_rounds),
+                  acceptance_interval=wilson_interval(pooled.accepted, pooled.reached),
+                  reached=pooled.reached, accepted=pooled.accepted, tokens=pooled.tokens,
+                  tokens_per_second=pooled.tokens_per_second, baseline_tokens_per_second=plain)
 
 
 def read_eval_dataset(path: str, num_prompts: int | None = None) -> list[str]:
@@ -184,6 +211,7 @@ class Pooled:
   row_accepted: np.ndarray   # [prompts]
   tokens: int
   wall_seconds: float
+  rounds: int = 0            # loop iterations of all the calls
 
   @property
   def tau(self) -> float:
@@ -207,7 +235,8 @@ def pool(results: Sequence[decoding.GenerateResult]) -> Pooled:
                 row_rounds=np.concatenate([r.row_rounds for r in results]),
                 row_accepted=np.concatenate([r.row_accepted for r in results]),
                 tokens=int(sum(int(r.lengths.sum()) for r in results)),
-                wall_seconds=float(sum(r.wall_seconds for r in results)))
+                wall_seconds=float(sum(r.wall_seconds for r in results)),
+                rounds=int(sum(r.rounds for r in results)))
 
 
 def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
@@ -228,34 +257,18 @@ def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
 
   from dspark_jax.text import generation
 
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
   ids = generation.encode_prompts(tokenizer, list(prompts), chat=chat, chat_kwargs=chat_kwargs)
+  batches = _batches(len(ids), batch_size)
   stop_ids = [i for i in tokenizer.stop_token_ids if i < target.config.vocab_size]
-  batches = [range(i, min(i + batch_size, len(ids))) for i in range(0, len(ids), batch_size)]
   rows = []
   bar = tqdm(total=len(temperatures) * len(batches) * (2 if baseline else 1), desc="eval",
              disable=not progress)
   for temperature in temperatures:
-    runs: dict[bool, list] = {True: [], False: []}
-    for spec in (True, False) if baseline else (True,):
-      for rows_of in batches:
-        params = sp.SamplingParams(temperature=np.full(len(rows_of), float(temperature)),
-                                   seed=np.asarray(rows_of) + seed)
-        runs[spec].append(decoding.generate(
-            target, draft if spec else None, [ids[i] for i in rows_of], params,
-            jax.random.key(seed), max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-            spec=spec))
-        bar.update(1)
-    pooled = pool(runs[True])
-    plain = pool(runs[False]).tokens_per_second if baseline else math.nan
-    rows.append(StudyRow(drafter=name, temperature=float(temperature), tau=pooled.tau,
-                         acceptance=pooled.acceptance, rounds=sum(r.rounds for r in runs[True]),
-                         tau_interval=tau_interval(pooled.row_accepted, pooled.row_rounds),
-                         acceptance_interval=wilson_interval(pooled.accepted, pooled.reached),
-                         reached=pooled.reached, accepted=pooled.accepted, tokens=pooled.tokens,
-                         tokens_per_second=pooled.tokens_per_second,
-                         baseline_tokens_per_second=plain))
+    decode = functools.partial(_decode_batches, target, ids, batches, temperature, seed,
+                               max_new_tokens, stop_ids, bar)
+    pooled = decode(draft)
+    plain = decode(None).tokens_per_second if baseline else math.nan
+    rows.append(_study_row(name, temperature, pooled, plain))
   bar.close()
   return rows
 
