@@ -19,14 +19,14 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 
 def pytest_collection_modifyitems(config, items):
   """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Files with more slow tests
-  (a notebook weighs as five) run first (the order within a file is kept), so that pytest-xdist's workers, which take whole
-  files, start the long ones early and finish together. Tests marked `gpu` are skipped unless JAX's
-  default backend is a GPU."""
+  (a notebook weighs as five) run first, the order within a file kept, so that pytest-xdist's
+  workers, which take whole files, start the long ones early and finish together. Tests marked
+  `gpu` are skipped unless JAX's default backend is a GPU."""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
   weight = collections.Counter()
-  for item in items:  # a notebook runs a whole study: it weighs as five slow tests
+  for item in items:
     weight[item.path] += 5 if item.path.suffix == ".ipynb" else bool(item.get_closest_marker("slow"))
   items.sort(key=lambda item: -weight[item.path])
   gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
