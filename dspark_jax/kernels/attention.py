@@ -25,6 +25,7 @@ is made when a model is traced (shapes and dtypes are static), so it costs nothi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -122,3 +123,75 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
     return attend_cudnn(q, k, v, mask)
   return attend_xla(q, k, v, mask)
+
+
+# Attention over a cache prefix and a fresh block, as two softmax parts. A part is
+# (m, l, o): the row maximum of its scores [B, K, G, T] (-inf where it has no key), the sum of
+# exp(score - m) [B, K, G, T] and the sum of exp(score - m) * value [B, K, G, T, D], all float32.
+
+
+def _part_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array):
+  """The softmax part of [B, T, N, D] queries over head-major [B, K, S, D] keys where `valid`
+  ([B, T, S], or broadcastable to it) holds."""
+  b, t, n, d = q.shape
+  heads = k.shape[1]
+  q = q.reshape(b, t, heads, n // heads, d)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+  valid = valid[:, None, None]
+  scores = jnp.where(valid, scores / jnp.sqrt(jnp.float32(d)), -jnp.inf)
+  m = jnp.max(scores, axis=-1)
+  p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+  o = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m, jnp.sum(p, axis=-1), o
+
+
+def _part_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array):
+  """The softmax part of [B, T, N, D] queries over the first `length` [B] slots of head-major
+  [B, K, S, D] keys, through cuDNN's flash attention with a padding mask (no mask tensor):
+  m is its log-sum-exp, l is 1 and o the normalised output."""
+  b, t, n, d = q.shape
+  heads = k.shape[1]
+  fused, _ = _cudnn_entry()
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType
+  out, lse = fused(jnp.swapaxes(q, 1, 2), k.astype(q.dtype), v.astype(q.dtype), None, None,
+                   jnp.full((b,), t, jnp.int32), jnp.maximum(length, 1).astype(jnp.int32),
+                   scale=1.0 / float(d) ** 0.5, mask_type=MaskType.PADDING, qkv_layout="BNTH",
+                   return_residual=True)                          # out [B, N, T, D], lse [B, N, T]
+  has = (length > 0)[:, None, None, None]
+  m = jnp.where(has, lse.reshape(b, heads, n // heads, t).astype(jnp.float32), -jnp.inf)
+  o = jnp.where(has[..., None], out.reshape(b, heads, n // heads, t, d).astype(jnp.float32), 0.0)
+  return m, jnp.where(has, 1.0, 0.0), o
+
+
+def _combine(parts, dtype) -> jax.Array:
+  """Softmax parts -> the [B, T, N, D] attention output (zeros where no part has a key)."""
+  m = functools.reduce(jnp.maximum, [part[0] for part in parts])
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  scale = [jnp.where(jnp.isfinite(pm), jnp.exp(pm - m), 0.0) for pm, _, _ in parts]
+  den = sum(w * l for w, (_, l, _) in zip(scale, parts))
+  num = sum(w[..., None] * o for w, (_, _, o) in zip(scale, parts))
+  out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  b, heads, groups, t, d = out.shape
+  return jnp.moveaxis(out, 3, 1).reshape(b, t, heads * groups, d).astype(dtype)
+
+
+def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_len: jax.Array,
+                  block_k: jax.Array, block_v: jax.Array, block_mask: jax.Array,
+                  implementation: str | None = None) -> jax.Array:
+  """Attention of [B, T, N, D] queries over a cache prefix and a fresh block, without joining them.
+
+  Every query sees cache slots ``0 .. prefix_len_b - 1`` of head-major [B, K, S, D] `cache_k` /
+  `cache_v` (later slots are ignored, whatever they hold) and the block's token-major [B, T', K, D]
+  `block_k` / `block_v` where `block_mask` [B, T, T'] holds. The result equals `attend` over the
+  concatenated keys with the corresponding mask (up to rounding: the two parts' probabilities are
+  rounded to the value dtype separately). ``cudnn`` computes the prefix with cuDNN's flash attention
+  and a padding mask; the block always with einsums.
+  """
+  if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
+    prefix = _part_cudnn(q, cache_k, cache_v, prefix_len)
+  else:
+    valid = (jnp.arange(cache_k.shape[2])[None, :] < prefix_len[:, None])[:, None, :]
+    prefix = _part_xla(q, cache_k, cache_v, valid)
+  block = _part_xla(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
+                    jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
+  return _combine([prefix, block], q.dtype)

@@ -176,17 +176,10 @@ class DSparkDraft(nnx.Module):
          jnp.full((batch, gamma - 1), self.config.mask_token_id, jnp.int32)], axis=1)
     x = jax.lax.stop_gradient(target.embed(block)).astype(self.config.dtype)
     positions = anchor_pos[:, None] + jnp.arange(gamma)[None, :]
-    slots = jnp.arange(context["k"][0].shape[2])
-    mask = jnp.concatenate([
-        jnp.broadcast_to((slots[None, :] < anchor_pos[:, None])[:, None, :],
-                         (batch, gamma, slots.shape[0])),
-        jnp.ones((batch, gamma, gamma), bool)], axis=2)                    # [B, γ, S + γ]
+    block_mask = jnp.ones((batch, gamma, gamma), bool)                  # bidirectional
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
-        dtype = context["k"][i].dtype
-        return (jnp.concatenate([context["k"][i], layers.heads_first(k).astype(dtype)], axis=2),
-                jnp.concatenate([context["v"][i], layers.heads_first(v).astype(dtype)], axis=2),
-                mask, None)
+        return layers.CachePrefix(context["k"][i], context["v"][i], anchor_pos, block_mask), None
       x, _ = layer(x, positions, gather_kv)
     hidden = self.final_norm(x)
     return _shared_logits(target, hidden), hidden

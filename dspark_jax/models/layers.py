@@ -268,6 +268,35 @@ class Attention(nnx.Module):
     b, t, n, d = q.shape
     return self.o_proj(attention.attend(q, k, v, mask).reshape(b, t, n * d))
 
+  def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
+                    v: jax.Array) -> jax.Array:
+    """Attention of [B, T, N, D] queries over `source`'s cache prefix and this call's own
+    token-major keys/values [B, T, K, D] (`kernels.attention.attend_cached`)."""
+    b, t, n, d = q.shape
+    out = attention.attend_cached(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
+                                  source.block_mask)
+    return self.o_proj(out.reshape(b, t, n * d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+  """What a layer attends to, given whole: head-major keys/values [B, K, S, D], mask [B, T, S]."""
+
+  keys: jax.Array
+  values: jax.Array
+  mask: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePrefix:
+  """What a layer attends to, in two parts: slots ``0 .. prefix_len_b - 1`` of a head-major
+  [B, K, S, D] cache, and the layer's own new keys/values where `block_mask` [B, T, T] holds."""
+
+  cache_k: jax.Array
+  cache_v: jax.Array
+  prefix_len: jax.Array
+  block_mask: jax.Array
+
 
 class MLP(nnx.Module):
   """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matrix ``gate_up_proj`` [E, 2I]
@@ -300,11 +329,14 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(shape, **kw)
 
   def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
-    """Runs the layer. ``gather_kv(k, v) -> (keys, values, mask, aux)`` builds what to attend over
-    (head-major keys/values [B, K, S, D], `mask` [B, T, S]) from this call's own token-major
-    keys/values [B, T, K, D]; `aux` is returned (e.g. the updated cache)."""
+    """Runs the layer. ``gather_kv(k, v) -> (source, aux)`` says what to attend to, a `Full` or a
+    `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
+    (e.g. the updated cache)."""
     normed = self.input_norm(x)
     q, k, v = self.attention.project(normed, positions)
-    keys, values, mask, aux = gather_kv(k, v)
-    x = x + self.attention.attend(q, keys, values, mask)
+    source, aux = gather_kv(k, v)
+    if isinstance(source, CachePrefix):
+      x = x + self.attention.attend_cached(q, source, k, v)
+    else:
+      x = x + self.attention.attend(q, source.keys, source.values, source.mask)
     return x + self.mlp(self.post_norm(x)), aux

@@ -128,8 +128,8 @@ class TargetModel(nnx.Module):
     x = self.embed(tokens)
     saved = {-1: x}
     for i, layer in enumerate(self.layers):
-      x, _ = layer(x, positions,
-                   lambda k, v: (layers.heads_first(k), layers.heads_first(v), mask, None))
+      x, _ = layer(x, positions, lambda k, v: (
+          layers.Full(layers.heads_first(k), layers.heads_first(v), mask), None))
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     return self.logits(self.final_norm(x)), features
@@ -148,15 +148,14 @@ class TargetModel(nnx.Module):
     """
     x = self.embed(tokens)
     start = positions[:, 0]
-    slots = jnp.arange(cache["k"][0].shape[2])
-    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
+    block_mask = positions[:, None, :] <= positions[:, :, None]          # [B, T, T] causal
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
         keys = layers.write_heads(cache["k"][i], k, start)
         values = layers.write_heads(cache["v"][i], v, start)
-        return keys, values, mask, (keys, values)
+        return layers.CachePrefix(keys, values, start, block_mask), (keys, values)
       x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
       new_v.append(values)
