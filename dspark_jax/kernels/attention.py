@@ -21,6 +21,12 @@ else ``xla``: on the H200 cuDNN was faster for one query and slower than the ein
 queries of a verify pass and the γ of a draft block (BENCHMARKS.md, issue 29). ``DSPARK_JAX_ATTENTION=auto|xla|cudnn`` overrides
 ``auto``; an explicit ``cudnn`` whose precondition fails raises a `ValueError` naming it. The choice
 is made when a model is traced (shapes and dtypes are static), so it costs nothing at run time.
+
+`attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
+slots of the context cache and over the block itself, as two softmax parts joined through their
+maxima and sums, so the context cache is read in place rather than concatenated with the block's
+keys in every layer and round (on the H200 the draft forward went 2.02 -> 1.29 ms at B = 16;
+BENCHMARKS.md v50). It is einsums only and ignores the implementation setting.
 """
 
 from __future__ import annotations
@@ -145,24 +151,6 @@ def _part_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array):
   return m, jnp.sum(p, axis=-1), o
 
 
-def _part_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array):
-  """The softmax part of [B, T, N, D] queries over the first `length` [B] slots of head-major
-  [B, K, S, D] keys, through cuDNN's flash attention with a padding mask (no mask tensor):
-  m is its log-sum-exp, l is 1 and o the normalised output."""
-  b, t, n, d = q.shape
-  heads = k.shape[1]
-  fused, _ = _cudnn_entry()
-  from jax._src.cudnn.fused_attention_stablehlo import MaskType
-  out, lse = fused(jnp.swapaxes(q, 1, 2), k.astype(q.dtype), v.astype(q.dtype), None, None,
-                   jnp.full((b,), t, jnp.int32), jnp.maximum(length, 1).astype(jnp.int32),
-                   scale=1.0 / float(d) ** 0.5, mask_type=MaskType.PADDING, qkv_layout="BNTH",
-                   return_residual=True)                          # out [B, N, T, D], lse [B, N, T]
-  has = (length > 0)[:, None, None, None]
-  m = jnp.where(has, lse.reshape(b, heads, n // heads, t).astype(jnp.float32), -jnp.inf)
-  o = jnp.where(has[..., None], out.reshape(b, heads, n // heads, t, d).astype(jnp.float32), 0.0)
-  return m, jnp.where(has, 1.0, 0.0), o
-
-
 def _combine(parts, dtype) -> jax.Array:
   """Softmax parts -> the [B, T, N, D] attention output (zeros where no part has a key)."""
   m = functools.reduce(jnp.maximum, [part[0] for part in parts])
@@ -176,22 +164,18 @@ def _combine(parts, dtype) -> jax.Array:
 
 
 def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_len: jax.Array,
-                  block_k: jax.Array, block_v: jax.Array, block_mask: jax.Array,
-                  implementation: str | None = None) -> jax.Array:
+                  block_k: jax.Array, block_v: jax.Array, block_mask: jax.Array) -> jax.Array:
   """Attention of [B, T, N, D] queries over a cache prefix and a fresh block, without joining them.
 
   Every query sees cache slots ``0 .. prefix_len_b - 1`` of head-major [B, K, S, D] `cache_k` /
   `cache_v` (later slots are ignored, whatever they hold) and the block's token-major [B, T', K, D]
-  `block_k` / `block_v` where `block_mask` [B, T, T'] holds. The result equals `attend` over the
-  concatenated keys with the corresponding mask (up to rounding: the two parts' probabilities are
-  rounded to the value dtype separately). ``cudnn`` computes the prefix with cuDNN's flash attention
-  and a padding mask; the block always with einsums.
+  `block_k` / `block_v` where `block_mask` [B, T, T'] holds. The result equals `attend_xla` over
+  the concatenated keys with the corresponding mask, up to rounding (the two parts' probabilities
+  are rounded to the value dtype separately). Both parts are einsums with float32 scores; nothing
+  is concatenated, so a cache is read in place.
   """
-  if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
-    prefix = _part_cudnn(q, cache_k, cache_v, prefix_len)
-  else:
-    valid = (jnp.arange(cache_k.shape[2])[None, :] < prefix_len[:, None])[:, None, :]
-    prefix = _part_xla(q, cache_k, cache_v, valid)
+  valid = (jnp.arange(cache_k.shape[2])[None, :] < prefix_len[:, None])[:, None, :]
+  prefix = _part_xla(q, cache_k, cache_v, valid)
   block = _part_xla(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
                     jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
   return _combine([prefix, block], q.dtype)

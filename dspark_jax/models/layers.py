@@ -289,8 +289,9 @@ class Full:
 
 @dataclasses.dataclass(frozen=True)
 class CachePrefix:
-  """What a layer attends to, in two parts: slots ``0 .. prefix_len_b - 1`` of a head-major
-  [B, K, S, D] cache, and the layer's own new keys/values where `block_mask` [B, T, T] holds."""
+  """What a layer attends to, in two parts that are never concatenated: slots
+  ``0 .. prefix_len_b - 1`` of a head-major [B, K, S, D] cache `cache_k` / `cache_v` ([B]
+  `prefix_len`), and the layer's own new keys/values where `block_mask` [B, T, T] holds."""
 
   cache_k: jax.Array
   cache_v: jax.Array
@@ -316,9 +317,10 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
-  The caller supplies the keys/values to attend over (`__call__` takes a function that maps this
-  layer's own keys/values to the full set and the mask), so the same layer serves the target
-  (causal attention over its KV cache) and the draft (context + bidirectional block).
+  The caller says what to attend to (`__call__` takes a function that maps this layer's own
+  keys/values to a `Full` or a `CachePrefix` source), so the same layer serves the target (causal
+  attention over its KV cache, `Full`) and the draft (its context cache read in place plus the
+  bidirectional block, `CachePrefix`).
   """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):

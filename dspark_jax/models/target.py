@@ -148,14 +148,15 @@ class TargetModel(nnx.Module):
     """
     x = self.embed(tokens)
     start = positions[:, 0]
-    block_mask = positions[:, None, :] <= positions[:, :, None]          # [B, T, T] causal
+    slots = jnp.arange(cache["k"][0].shape[2])
+    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
         keys = layers.write_heads(cache["k"][i], k, start)
         values = layers.write_heads(cache["v"][i], v, start)
-        return layers.CachePrefix(keys, values, start, block_mask), (keys, values)
+        return layers.Full(keys, values, mask), (keys, values)
       x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
       new_v.append(values)
