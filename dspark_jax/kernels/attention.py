@@ -18,15 +18,16 @@ transposes the cache (the token-major [B, S, K, D] layout made XLA copy it in ev
 `choose` decides from the platform, dtype, head size and number of queries; ``auto`` (the default)
 takes ``cudnn`` for one query per row (the autoregressive step) wherever its preconditions hold,
 else ``xla``: on the H200 cuDNN was faster for one query and slower than the einsums for the 8
-queries of a verify pass and the γ of a draft block (BENCHMARKS.md, issue 29). ``DSPARK_JAX_ATTENTION=auto|xla|cudnn`` overrides
-``auto``; an explicit ``cudnn`` whose precondition fails raises a `ValueError` naming it. The choice
-is made when a model is traced (shapes and dtypes are static), so it costs nothing at run time.
+queries of a verify pass (BENCHMARKS.md, issue 29). ``DSPARK_JAX_ATTENTION=auto|xla|cudnn``
+overrides ``auto``; an explicit ``cudnn`` whose precondition fails raises a `ValueError` naming
+it. The choice is made when a model is traced (shapes and dtypes are static), so it costs nothing
+at run time.
 
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their
 maxima and sums, so the context cache is read in place rather than concatenated with the block's
-keys in every layer and round (on the H200 the draft forward went 2.02 -> 1.29 ms at B = 16;
-BENCHMARKS.md v50). It is einsums only and ignores the implementation setting.
+keys in every layer and round (BENCHMARKS.md v51). It is einsums only and ignores the
+implementation setting.
 """
 
 from __future__ import annotations
