@@ -72,8 +72,8 @@ def test_cudnn_form_matches_xla_form_on_the_gpu():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype):
-  # A cache prefix + a fresh block, as the verify pass (causal block) and the draft (a block that
-  # sees itself whole) use it, against `attend_xla` over the cache with the block written in.
+  # A cache prefix + a fresh block, with a causal block and with a block that sees itself whole
+  # (the draft's), against `attend_xla` over the cache with the block written in.
   # Row 2 has no prefix; slots past the prefix hold garbage that must not be read.
   rng = np.random.default_rng(2)
   b, t, s, n, k, d = 3, 4, 24, 4, 2, 16

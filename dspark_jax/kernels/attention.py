@@ -32,7 +32,6 @@ implementation setting.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -101,16 +100,22 @@ def attend_xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax
   Query head h reads key/value head ``h // (N // K)``. Scores and softmax in float32; a query whose
   mask is all False gets zeros (never NaN).
   """
-  b, t, n, d = q.shape
-  groups = n // k.shape[1]
-  q = q.reshape(b, t, k.shape[1], groups, d)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(d))
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  scores = _scores(q, k, mask)
   weights = jax.nn.softmax(scores, axis=-1, where=mask[:, None, None])
   weights = jnp.where(mask[:, None, None], weights, 0.0).astype(v.dtype)
   out = jnp.einsum("bkgts,bksd->btkgd", weights, v)
-  return out.reshape(b, t, n, d)
+  return out.reshape(q.shape)
+
+
+def _scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+  """Scaled float32 scores [B, K, G, T, S] of [B, T, N, D] queries (query head h = k·G + g) over
+  head-major [B, K, S, D] keys; -inf where `mask` ([B, T, S], or broadcastable to it) is False."""
+  b, t, n, d = q.shape
+  heads = k.shape[1]
+  q = q.reshape(b, t, heads, n // heads, d)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(d))
+  return jnp.where(mask[:, None, None], scores, -jnp.inf)
 
 
 def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -132,33 +137,25 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return attend_xla(q, k, v, mask)
 
 
-# Attention over a cache prefix and a fresh block, as two softmax parts. A part is
-# (m, l, o): the row maximum of its scores [B, K, G, T] (-inf where it has no key), the sum of
-# exp(score - m) [B, K, G, T] and the sum of exp(score - m) * value [B, K, G, T, D], all float32.
-
-
-def _part_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array):
-  """The softmax part of [B, T, N, D] queries over head-major [B, K, S, D] keys where `valid`
-  ([B, T, S], or broadcastable to it) holds."""
-  b, t, n, d = q.shape
-  heads = k.shape[1]
-  q = q.reshape(b, t, heads, n // heads, d)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-  valid = valid[:, None, None]
-  scores = jnp.where(valid, scores / jnp.sqrt(jnp.float32(d)), -jnp.inf)
+def _part(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+  """One softmax part of [B, T, N, D] queries over head-major [B, K, S, D] keys/values where
+  `mask` holds: (m, l, o), the row maximum of the scores [B, K, G, T] (-inf where no key), the sum
+  of exp(score - m) [B, K, G, T] and the sum of exp(score - m) · value [B, K, G, T, D], float32."""
+  scores = _scores(q, k, mask)
   m = jnp.max(scores, axis=-1)
-  p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+  p = jnp.where(mask[:, None, None],
+                jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
   o = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return m, jnp.sum(p, axis=-1), o
 
 
-def _combine(parts, dtype) -> jax.Array:
-  """Softmax parts -> the [B, T, N, D] attention output (zeros where no part has a key)."""
-  m = functools.reduce(jnp.maximum, [part[0] for part in parts])
+def _join(first, second, dtype) -> jax.Array:
+  """Two softmax parts -> the [B, T, N, D] attention output (zeros where neither has a key)."""
+  m = jnp.maximum(first[0], second[0])
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  scale = [jnp.where(jnp.isfinite(pm), jnp.exp(pm - m), 0.0) for pm, _, _ in parts]
-  den = sum(w * l for w, (_, l, _) in zip(scale, parts))
-  num = sum(w[..., None] * o for w, (_, _, o) in zip(scale, parts))
+  w1, w2 = (jnp.where(jnp.isfinite(part[0]), jnp.exp(part[0] - m), 0.0) for part in (first, second))
+  den = w1 * first[1] + w2 * second[1]
+  num = w1[..., None] * first[2] + w2[..., None] * second[2]
   out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
   b, heads, groups, t, d = out.shape
   return jnp.moveaxis(out, 3, 1).reshape(b, t, heads * groups, d).astype(dtype)
@@ -176,7 +173,7 @@ def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_l
   is concatenated, so a cache is read in place.
   """
   valid = (jnp.arange(cache_k.shape[2])[None, :] < prefix_len[:, None])[:, None, :]
-  prefix = _part_xla(q, cache_k, cache_v, valid)
-  block = _part_xla(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
-                    jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
-  return _combine([prefix, block], q.dtype)
+  prefix = _part(q, cache_k, cache_v, valid)
+  block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
+                jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
+  return _join(prefix, block, q.dtype)

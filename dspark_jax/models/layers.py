@@ -7,8 +7,9 @@ This module owns the pieces both models are made of, as flax nnx modules:
   "yarn", "llama3"), each computed as transformers' ``modeling_rope_utils`` computes it;
 * `Attention`: q/k/v/o projections without bias, per-head RMSNorm on queries and keys, RoPE, grouped-
   query attention (``num_heads`` query heads share ``num_kv_heads`` key/value heads). It exposes its
-  halves (`Attention.project`, `Attention.keys_values`, `Attention.attend`) because the draft feeds
-  keys and values from two sources (context and block) into one attention;
+  halves (`Attention.project`, `Attention.keys_values`, `Attention.attend`,
+  `Attention.attend_cached`) because the draft feeds keys and values from two sources (context
+  and block) into one attention;
 * `MLP`: the SwiGLU feed-forward block;
 * `write_rows`, `write_heads`: write a contiguous run of per-row entries into a static-size
   buffer; `write_heads` into a head-major [B, K, S, D] key/value cache, the layout attention reads.
