@@ -100,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   harness.add_grid_arguments(parser)
   parser.add_argument("--context", type=int, default=None, help="one context (= --contexts N)")
+  parser.add_argument("--capacities", type=harness.int_list, default=None,
+                      help="comma list of cache sizes in slots, apart from the context (default: "
+                      "context + 2(γ + 1), just enough); e.g. 136,8200 at context 128 times the "
+                      "padding cost: a step over a cache far larger than its rows' context")
   parser.add_argument("--parts", type=part_list, default=list(PARTS),
                       help=f"comma list of the parts to time (default all: {', '.join(PARTS)})")
   parser.add_argument("--gamma", type=int, default=7)
@@ -120,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    else args.contexts or ([32] if args.small else [1024, 4096]))
   if min(args.contexts) < 2:
     parser.error("--contexts: each context must be >= 2 tokens")
+  if args.capacities and min(args.capacities) < max(args.contexts) + args.gamma + 1:
+    parser.error(f"--capacities: each cache must hold the context and a verify block "
+                 f"({max(args.contexts) + args.gamma + 1} slots)")
   if args.e2e_batch < 0:
     parser.error("--e2e-batch must be >= 0")
   args.new_tokens = args.new_tokens or (8 if args.small else 64)
@@ -232,9 +239,11 @@ def attempt(label: str, names, errors: dict, fn):
     gc.collect()
 
 
-def bench_round(target, draft, batch: int, context: int, args) -> tuple[dict, dict, dispatch.Choice]:
-  """Times the parts of ``args.parts`` at one (context, batch); returns seconds per part, the
-  failures ``{part: reason}`` of parts not timed, and the block sampler's backend decision."""
+def bench_round(target, draft, batch: int, context: int, args, capacity: int | None = None
+                ) -> tuple[dict, dict, dispatch.Choice]:
+  """Times the parts of ``args.parts`` at one (context, batch), with caches of `capacity` slots
+  (None: ``context + 2(γ + 1)``); returns seconds per part, the failures ``{part: reason}`` of
+  parts not timed, and the block sampler's backend decision."""
   gamma, vocab = draft.config.gamma, target.config.vocab_size
   label = f"context {context}, B={batch}"
   choice = block_lib.choose_backend(
@@ -253,7 +262,7 @@ def bench_round(target, draft, batch: int, context: int, args) -> tuple[dict, di
   rows = mixed_rows(batch)
   key = jax.random.key(0)
   rng = np.random.default_rng(batch)
-  cache_len = context + 2 * (gamma + 1)
+  cache_len = capacity or context + 2 * (gamma + 1)
   anchor = jnp.asarray(rng.integers(0, vocab - 1, batch), jnp.int32)
   anchor_pos = jnp.full((batch,), context, jnp.int32)
   stop_ids = jnp.full((batch, 1), -1, jnp.int32)
@@ -480,27 +489,29 @@ def main(argv=None) -> int:
 
   results = {}
   for context in args.contexts:
-    for batch in args.batches:
-      label = f"context {context}, B={batch}"
-      shape_start = time.perf_counter()
-      times, errors, choice = bench_round(target, draft, batch, context, args)
-      gc.collect()
-      part_floors = floors(part_costs(target, draft, batch, context), bandwidth, rate)
-      results[(context, batch)] = {
-          "context": context, "batch": batch, "seconds": times, "errors": errors,
-          "floors": part_floors, "backend": choice.name, "backend_reason": choice.reason}
-      print(f"  {label}: {time.perf_counter() - shape_start:.1f} s (compiling included); block "
-            f"sampling on {harness.describe_choice(choice)}", flush=True)
-      for name in args.parts:
-        if name not in times:
-          continue
-        line = f"    {name}: {times[name] * 1e3:.3f} ms"
-        if name in part_floors:
-          f = part_floors[name]
-          line += (f", floor {f['floor_s'] * 1e3:.3f} ms ({f['bound']}; bytes "
-                   f"{f['bytes_s'] * 1e3:.3f}, compute {f['compute_s'] * 1e3:.3f}), "
-                   f"× floor {times[name] / f['floor_s']:.2f}")
-        print(line, flush=True)
+    for capacity in args.capacities or [context + 2 * (args.gamma + 1)]:
+      for batch in args.batches:
+        label = f"context {context}, {capacity} slots, B={batch}"
+        shape_start = time.perf_counter()
+        times, errors, choice = bench_round(target, draft, batch, context, args, capacity)
+        gc.collect()
+        part_floors = floors(part_costs(target, draft, batch, context), bandwidth, rate)
+        results[(context, capacity, batch)] = {
+            "context": context, "capacity": capacity, "batch": batch, "seconds": times,
+            "errors": errors, "floors": part_floors, "backend": choice.name,
+            "backend_reason": choice.reason}
+        print(f"  {label}: {time.perf_counter() - shape_start:.1f} s (compiling included); block "
+              f"sampling on {harness.describe_choice(choice)}", flush=True)
+        for name in args.parts:
+          if name not in times:
+            continue
+          line = f"    {name}: {times[name] * 1e3:.3f} ms"
+          if name in part_floors:
+            f = part_floors[name]
+            line += (f", floor {f['floor_s'] * 1e3:.3f} ms ({f['bound']}; bytes "
+                     f"{f['bytes_s'] * 1e3:.3f}, compute {f['compute_s'] * 1e3:.3f}), "
+                     f"× floor {times[name] / f['floor_s']:.2f}")
+          print(line, flush=True)
   e2e = {}
   if args.e2e_batch:
     e2e = bench_e2e({"": (target, draft)}, batch=args.e2e_batch, context=args.contexts[0],
@@ -510,25 +521,25 @@ def main(argv=None) -> int:
   has = lambda t, *names: all(n in t for n in names)
   print(f"\nTokens/s: autoregressive (B / step) vs speculative at τ (τ·B / round)")
   print("| context | B | AR | " + " | ".join(f"spec τ={tau}" for tau in TAUS) + " |")
-  for (context, batch), r in results.items():
+  for (context, capacity, batch), r in results.items():
     t = r["seconds"]
     if has(t, "autoregressive step", "full round"):
       print(f"| {context} | {batch} | {batch / t['autoregressive step']:.0f} | " +
             " | ".join(f"{tau * batch / t['full round']:.0f}" for tau in TAUS) + " |")
 
   hf_rows = {(r["context"], r["batch"]): r for r in hf["results"]} if hf else {}
-  header = (("context", "B", "backend") + tuple(f"{n} ms (×floor)" for n in FLOORED)
+  header = (("context", "slots", "B", "backend") + tuple(f"{n} ms (×floor)" for n in FLOORED)
             + ("accept ms", "ctx upd ms", "draft+samp %", f"spec/AR τ={TAUS[2]}"))
   if args.hf:
     header += ("HF static ms (× ours)",)
   rows = []
-  for (context, batch), r in results.items():
+  for (context, capacity, batch), r in results.items():
     t, f = r["seconds"], r["floors"]
     cell = lambda n: (f"{t[n] * 1e3:.3f} ({t[n] / f[n]['floor_s']:.2f}"
                       f"{'c' if f[n]['bound'] == 'compute' else ''})" if n in t
                       else "failed" if n in r["errors"] else "n/a")
     ms = lambda n: f"{t[n] * 1e3:.3f}" if n in t else "failed" if n in r["errors"] else "n/a"
-    row = ([str(context), str(batch), r["backend"]] + [cell(n) for n in FLOORED]
+    row = ([str(context), str(capacity), str(batch), r["backend"]] + [cell(n) for n in FLOORED]
            + [ms("accept/commit"), ms("context update"),
               f"{(t['draft forward'] + t['block sampling']) / t['full round'] * 100:.1f}"
               if has(t, "draft forward", "block sampling", "full round") else "n/a",
@@ -548,7 +559,7 @@ def main(argv=None) -> int:
              + "; ".join(f"{k} {v['per_iteration_s'] * 1e3:.3f} ms/iteration" for k, v in e2e.items())
              + "\n" + title)
   harness.finish(title, header, rows, meta=meta,
-                 results={"rounds": {f"{c}/{b}": r for (c, b), r in results.items()},
+                 results={"rounds": {f"{c}/{s}/{b}": r for (c, s, b), r in results.items()},
                           "e2e": e2e, "hf": hf},
                  json_path=args.json)
   return 0

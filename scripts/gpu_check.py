@@ -143,8 +143,8 @@ def _sampler_note(results: list[dict]) -> str:
 
 
 def _decode_note(results: dict) -> str:
-  return "; ".join(f"B={b} {r['backend']} round {r['seconds']['full round'] * 1e3:.2f} ms"
-                   for b, r in results["rounds"].items())
+  return "; ".join(f"B={r['batch']} {r['backend']} round {r['seconds']['full round'] * 1e3:.2f} ms"
+                   for r in results["rounds"].values())
 
 
 def steps(args, out: str) -> list[Step]:

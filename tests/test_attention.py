@@ -70,13 +70,14 @@ def test_cudnn_form_matches_xla_form_on_the_gpu():
       assert np.all(out[0, 0] == 0)
 
 
+@pytest.mark.parametrize("slots", [24, 300])   # 300: the prefix part reads a cut cache
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype):
+def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype, slots):
   # A cache prefix + a fresh block, with a causal block and with a block that sees itself whole
   # (the draft's), against `attend_xla` over the cache with the block written in.
   # Row 2 has no prefix; slots past the prefix hold garbage that must not be read.
   rng = np.random.default_rng(2)
-  b, t, s, n, k, d = 3, 4, 24, 4, 2, 16
+  b, t, s, n, k, d = 3, 4, slots, 4, 2, 16
   q, cache_k, cache_v = (jnp.asarray(rng.normal(size=shape), dtype)
                          for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
   block_k, block_v = (jnp.asarray(rng.normal(size=(b, t, k, d)), dtype) for _ in range(2))
@@ -96,3 +97,57 @@ def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype):
     # float32: 1e-5 (sums of ~20 terms); bf16: a few ulps (2^-8 relative) of the largest output.
     tol = 1e-5 if dtype == jnp.float32 else 4 * 2.0**-8 * np.abs(ref).max()
     np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-5)
+
+
+def test_cut_lengths_cover_the_cache_in_steps_of_at_most_the_ratio():
+  assert attention.cut_lengths(100) == (100,)
+  assert attention.cut_lengths(128) == (128,)
+  cuts = attention.cut_lengths(8200)
+  assert cuts[0] == 128 and cuts[-1] == 8200 and list(cuts) == sorted(set(cuts))
+  assert all(c % 64 == 0 for c in cuts[:-1])
+  assert all(b / a <= 2 ** 0.5 + 64 / a for a, b in zip(cuts, cuts[1:]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2, 4, 8])
+def test_limited_form_equals_the_masked_form_and_never_reads_past_a_limit(dtype, groups):
+  # Rows of length 0, 1, at capacity, and in between; causal verify-like limits (start + t + 1);
+  # slots at or past each query's limit hold large finite garbage that must not change anything.
+  rng = np.random.default_rng(groups)
+  b, t, s, k, d = 5, 3, 300, 2, 16          # S = 300: the cache is cut to 128/192/256/300
+  n = k * groups
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), dtype)
+  keys, values = (rng.normal(size=(b, k, s, d)) for _ in range(2))
+  for lengths in ([0, 1, s, 100, 129], [3, 7, 0, 1, 2], [s] * b):
+    start = np.maximum(np.asarray(lengths) - t, 0)
+    limits = np.minimum(start[:, None] + np.arange(1, t + 1)[None], np.asarray(lengths)[:, None])
+    limits = jnp.asarray(limits, jnp.int32)
+    mask = jnp.arange(s)[None, None] < limits[:, :, None]
+    garbage = np.arange(s)[None, None, :, None] >= np.asarray(lengths)[:, None, None, None]
+    dirty_k, dirty_v = (jnp.asarray(np.where(garbage, 1e3 * rng.normal(size=x.shape), x), dtype)
+                        for x in (keys, values))
+    clean_k, clean_v = (jnp.asarray(x, dtype) for x in (keys, values))
+    ref = np.asarray(attention.attend_xla(q, clean_k, clean_v, mask), np.float32)
+    out = np.asarray(attention.attend_limited(q, dirty_k, dirty_v, limits), np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 4 * 2.0**-8 * np.abs(ref).max()
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-5)
+    assert np.all(out[np.asarray(limits) == 0] == 0)
+
+
+def test_limited_form_compiles_once_for_every_length():
+  rng = np.random.default_rng(3)
+  b, t, s, n, k, d = 2, 2, 400, 4, 2, 8
+  q, keys, values = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+                     for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
+  traces = []
+
+  @jax.jit
+  def call(q, keys, values, limits):
+    traces.append(1)
+    return attention.attend_limited(q, keys, values, limits)
+
+  for length in (1, 130, 260, 400):
+    limits = jnp.full((b, t), length, jnp.int32)
+    ref = attention.attend_xla(q, keys, values, jnp.arange(s)[None, None] < limits[:, :, None])
+    np.testing.assert_allclose(call(q, keys, values, limits), ref, rtol=1e-5, atol=1e-6)
+  assert len(traces) == 1 and call._cache_size() == 1

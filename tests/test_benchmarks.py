@@ -47,12 +47,13 @@ def test_decode_benchmark_prints_its_table(tmp_path, capsys):
   saved, header, rows = run_and_read_table(bench_decode, "bench_decode (", argv,
                                            tmp_path / "results.json", capsys)
   rounds = saved["results"]["rounds"]
-  assert list(rounds) == ["32/2"]
-  assert rounds["32/2"]["errors"] == {} and set(rounds["32/2"]["seconds"]) == set(bench_decode.PARTS)
-  assert set(rounds["32/2"]["floors"]) == set(bench_decode.FLOORED)
+  assert list(rounds) == ["32/48/2"]   # context 32 in a cache of 32 + 2(γ + 1) slots
+  assert rounds["32/48/2"]["errors"] == {}
+  assert set(rounds["32/48/2"]["seconds"]) == set(bench_decode.PARTS)
+  assert set(rounds["32/48/2"]["floors"]) == set(bench_decode.FLOORED)
   assert saved["meta"]["matmul_tflops"] > 0
   assert saved["results"]["e2e"] == {}
-  assert header.split()[:2] == ["context", "B"] and rows[0][:2] == ["32", "2"]
+  assert header.split()[:3] == ["context", "slots", "B"] and rows[0][:3] == ["32", "48", "2"]
   if HAS_HF:
     assert header.rstrip().endswith("HF static ms (× ours)")
     hf_ms, ratio = rows[0][-2:]
@@ -68,8 +69,10 @@ def test_decode_parts_and_contexts_are_checked():
   assert bench_decode.parse_args([]).contexts == [1024, 4096]
   assert bench_decode.parse_args([]).batches == [1, 16, 64, 128]
   assert bench_decode.parse_args([]).e2e_batch == 0
+  assert bench_decode.parse_args(["--context", "128", "--capacities", "136,8200"]).capacities == [
+      136, 8200]
   for bad in (["--parts", "target verify,draft"], ["--contexts", "0"],
-              ["--context", "8", "--contexts", "16"]):
+              ["--context", "8", "--contexts", "16"], ["--context", "128", "--capacities", "135"]):
     with pytest.raises(SystemExit):
       bench_decode.parse_args(bad)
 

@@ -176,8 +176,9 @@ def test_scheduled_decodes_follow_the_target_law(name):
 
 
 def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
-  # Tiny shapes, one repeat: the table's structure, not its speed. Sizes needing the same rows of
-  # γ + 1 tokens share one measurement; the saved JSON reads back through schedules.load_sps.
+  # Tiny shapes, one repeat: the table's structure, not its speed. Each size is a packed verify of
+  # that many tokens; the saved JSON reads back through schedules.load_sps; `dense` is the step
+  # table of the buckets.
   target, draft = pair
   path = tmp_path / "sps.json"
   profile = dj.profile_sps(target, draft, batch_tokens=[6, 1, 4, 5], context=8, repeats=1,
@@ -186,11 +187,17 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   np.testing.assert_array_equal(profile.rows, [1, 1, 2, 2])  # ceil(n / (γ + 1))
   assert profile.seconds.shape == (4, 1) and profile.gamma == GAMMA and profile.context == 8
   assert np.all(np.isfinite(profile.steps_per_second) & (profile.steps_per_second > 0))
-  assert profile.steps_per_second[0] == profile.steps_per_second[1]
   assert set(profile.table()) == {1, 4, 5, 6}
   dense = schedules.load_sps(path)
   np.testing.assert_allclose(dense[[1, 4, 5, 6]], profile.steps_per_second, rtol=1e-12)
+  step = profile.dense()
+  np.testing.assert_array_equal(step[1:], profile.steps_per_second[[0, 1, 1, 1, 2, 3]])
+  buckets = dj.profile_sps(target, draft, batch_size=ROWS, context=8, repeats=1, steps=1)
+  np.testing.assert_array_equal(buckets.batch_tokens, decoding.packing.token_buckets(
+      ROWS, GAMMA + 1))
+  assert np.all(buckets.rows == ROWS) and len(buckets.dense()) == ROWS * (GAMMA + 1) + 1
   for bad, match in ((dict(batch_tokens=[4, 0]), "^batch_tokens: entry 1 is 0"),
+                     (dict(batch_tokens=[4], batch_size=2), "^batch_size, batch_tokens: give one"),
                      (dict(batch_tokens=[]), "^batch_tokens: expected a non-empty"),
                      (dict(gamma=GAMMA + 1), "^gamma: 4, but the draft drafts"),
                      (dict(repeats=0), "^repeats")):

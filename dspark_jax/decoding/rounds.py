@@ -13,10 +13,10 @@ either, within its budget, is finished; ``stop_index`` records the matched seque
 **Schedules.** With a `Schedule` (``dspark_jax.scheduling.schedules``), each round calls
 ``verify_lens, state = schedule.update(confidence, active, state)`` on the block's confidence, its
 state in the carry (``state["schedule"]``), and verifies ``verify_lens`` tokens per row (anchor
-included; `verification.verify_arrays` caps the accepted run there). The verify forward keeps its
-static [B, γ + 1] shape, so a shorter verify length commits fewer tokens without making the forward
-cheaper: the savings need a verify batch packed to the scheduled tokens, which this loop does not
-build. Without a schedule every row verifies γ + 1 and the program is the one without schedules.
+included; `verification.verify_arrays` caps the accepted run there). The verify forward runs only
+those tokens, packed into the smallest static token bucket that holds them (`packing`), so a
+shorter verify makes the forward cheaper; finished rows send none. Without a schedule every row
+verifies γ + 1 in the dense [B, γ + 1] forward and the program is the one without schedules.
 A schedule with state (one that reads earlier rounds, e.g. a lagged `top_k`) gets fresh draft noise
 each round (`draft_key`: the base key folded with the round index): drafts a round discarded unseen
 were drawn with the noise of their positions, and a later round redrawing those positions with the
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import verification
+from dspark_jax.decoding import packing
 from dspark_jax.decoding import stops
 from dspark_jax.draft import block as proposal
 from dspark_jax.models import layers
@@ -201,7 +202,11 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
   lens, schedule_state = _verify_lens(schedule, state, confidence, active, gamma)
   verify_in = jnp.concatenate([anchor[:, None], tokens], axis=1)
   positions = anchor_pos[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
-  logits, features, cache = target(verify_in, positions, state["cache"])
+  if schedule is None:
+    logits, features, cache = target(verify_in, positions, state["cache"])
+  else:  # only the scheduled tokens: the forward's cost follows them (`packing`)
+    logits, features, cache = packing.packed_verify(target, verify_in, positions,
+                                                    jnp.where(active, lens, 0), state["cache"])
   result = verification.verify_arrays(
       logits, tokens, corrected, rows["temperature"], rows["greedy"], rows["temperature"],
       rows["top_k"], rows["top_p"], rows["seeds"], anchor_pos, lens, stop_ids, key,

@@ -137,25 +137,81 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return attend_xla(q, k, v, mask)
 
 
+def cut_lengths(slots: int, smallest: int = 128, ratio: float = 2 ** 0.5,
+                multiple: int = 64) -> tuple[int, ...]:
+  """The static cache lengths the XLA form cuts a cache of `slots` slots to, ascending.
+
+  From `smallest`, each length about `ratio` times the one before, rounded up to a multiple of
+  `multiple`; the last is `slots` itself. A call reads the smallest one that covers its longest
+  row, so the slots it reads are at most `ratio` times what it needs (or `smallest`).
+  """
+  lengths = []
+  n = smallest
+  while n < slots:
+    lengths.append(n)
+    n = max(n + multiple, -(-int(n * ratio) // multiple) * multiple)
+  return tuple(lengths) + (slots,)
+
+
+def over_cut_cache(fn, q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array):
+  """``fn(q, k[:, :, :n], v[:, :, :n], limits)`` for the smallest `cut_lengths` n covering
+  ``max(limits)``: one `lax.switch` branch per static length, so the work follows the longest
+  row's real length and no length recompiles. `fn` must ignore slots at or past each query's
+  limit (then every branch gives the same result)."""
+  cuts = cut_lengths(k.shape[2])
+  if len(cuts) == 1:
+    return fn(q, k, v, limits)
+  need = jnp.max(limits).astype(jnp.int32)
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(cuts, jnp.int32), need), len(cuts) - 1)
+  branches = [lambda q, k, v, limits, n=n: fn(q, k[:, :, :n], v[:, :, :n], limits) for n in cuts]
+  return jax.lax.switch(index, branches, q, k, v, limits)
+
+
+def _limit_mask(limits: jax.Array, slots: int) -> jax.Array:
+  """[B, T] limits -> [B, T, S] mask ``slot < limit``."""
+  return jnp.arange(slots, dtype=jnp.int32)[None, None, :] < limits[:, :, None]
+
+
+def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
+                   implementation: str | None = None) -> jax.Array:
+  """[B, T, N, D] queries over head-major [B, K, S, D] keys/values, query (b, t) seeing slots
+  ``s < limits[b, t]`` ([B, T] int) -> [B, T, N, D].
+
+  The same function as `attend` with the mask ``slot < limit``, but the work follows the real
+  context, not S: the cache is cut to the smallest of a few static lengths covering the longest
+  row (`over_cut_cache`). Slots at or past a query's limit are never read into its result,
+  whatever they hold. A query with limit 0 gets zeros.
+  """
+  limits = limits.astype(jnp.int32)
+  cudnn = choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn"
+  form = attend_cudnn if cudnn else attend_xla
+  return over_cut_cache(lambda q, k, v, lim: form(q, k, v, _limit_mask(lim, k.shape[2])),
+                        q, k, v, limits)
+
+
 def _part(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
   """One softmax part of [B, T, N, D] queries over head-major [B, K, S, D] keys/values where
-  `mask` holds: (m, l, o), the row maximum of the scores [B, K, G, T] (-inf where no key), the sum
-  of exp(score - m) [B, K, G, T] and the sum of exp(score - m) · value [B, K, G, T, D], float32."""
+  `mask` holds: (lse, out), the log-sum-exp of the scores [B, K, G, T] (-inf where no key) and
+  the normalised output [B, K, G, T, D] (zeros where no key), float32."""
   scores = _scores(q, k, mask)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(mask[:, None, None],
                 jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
   o = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return m, jnp.sum(p, axis=-1), o
+  total = jnp.sum(p, axis=-1)
+  some = total > 0
+  lse = jnp.where(some, m + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)
+  return lse, jnp.where(some[..., None], o / jnp.where(some, total, 1.0)[..., None], 0.0)
 
 
 def _join(first, second, dtype) -> jax.Array:
-  """Two softmax parts -> the [B, T, N, D] attention output (zeros where neither has a key)."""
+  """Two softmax parts (lse, out) -> the [B, T, N, D] attention output (zeros where neither has a
+  key)."""
   m = jnp.maximum(first[0], second[0])
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w1, w2 = (jnp.where(jnp.isfinite(part[0]), jnp.exp(part[0] - m), 0.0) for part in (first, second))
-  den = w1 * first[1] + w2 * second[1]
-  num = w1[..., None] * first[2] + w2[..., None] * second[2]
+  den = w1 + w2
+  num = w1[..., None] * first[1] + w2[..., None] * second[1]
   out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
   b, heads, groups, t, d = out.shape
   return jnp.moveaxis(out, 3, 1).reshape(b, t, heads * groups, d).astype(dtype)
@@ -170,10 +226,12 @@ def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_l
   `block_k` / `block_v` where `block_mask` [B, T, T'] holds. The result equals `attend_xla` over
   the concatenated keys with the corresponding mask, up to rounding (the two parts' probabilities
   are rounded to the value dtype separately). Both parts are einsums with float32 scores; nothing
-  is concatenated, so a cache is read in place.
+  is concatenated, so a cache is read in place, and the prefix part reads the cache cut to the
+  longest prefix (`over_cut_cache`).
   """
-  valid = (jnp.arange(cache_k.shape[2])[None, :] < prefix_len[:, None])[:, None, :]
-  prefix = _part(q, cache_k, cache_v, valid)
+  limits = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], q.shape[:2])
+  prefix = over_cut_cache(lambda q, k, v, lim: _part(q, k, v, _limit_mask(lim, k.shape[2])),
+                          q, cache_k, cache_v, limits)
   block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
                 jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
   return _join(prefix, block, q.dtype)

@@ -269,6 +269,25 @@ class Attention(nnx.Module):
     b, t, n, d = q.shape
     return self.o_proj(attention.attend(q, k, v, mask).reshape(b, t, n * d))
 
+  def attend_limited(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                     limits: jax.Array) -> jax.Array:
+    """Attention of [B, T, N, D] queries over head-major [B, K, S, D] keys/values, query (b, t)
+    seeing slots ``s < limits[b, t]``: the work follows the rows' real context, not S
+    (`kernels.attention.attend_limited`)."""
+    b, t, n, d = q.shape
+    return self.o_proj(attention.attend_limited(q, k, v, limits).reshape(b, t, n * d))
+
+  def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
+    """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): laid out per row as
+    [B, width] queries, attended as `attend_limited`, and gathered back."""
+    batch, width = source.limits.shape
+    _, n, heads, d = q.shape
+    dense = jnp.zeros((batch, width, heads, d), q.dtype).at[source.rows, source.slots].set(
+        q[0], mode="drop")
+    out = attention.attend_limited(dense, source.keys, source.values, source.limits)
+    out = out.at[source.rows, source.slots].get(mode="fill", fill_value=0)
+    return self.o_proj(out.reshape(1, n, heads * d))
+
   def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
                     v: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over `source`'s cache prefix and this call's own
@@ -286,6 +305,29 @@ class Full:
   keys: jax.Array
   values: jax.Array
   mask: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheUpTo:
+  """What a layer attends to in a cache: head-major keys/values [B, K, S, D], query (b, t) seeing
+  slots ``s < limits[b, t]`` ([B, T] int); later slots are never read into a result."""
+
+  keys: jax.Array
+  values: jax.Array
+  limits: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCache:
+  """What packed tokens attend to (`TargetModel.packed`): token i, of row ``rows[i]`` (B: none)
+  and slot ``slots[i]``, attends like slot ``slots[i]`` of a `CacheUpTo` with [B, width]
+  `limits` over head-major [B, K, S, D] `keys` / `values`."""
+
+  keys: jax.Array
+  values: jax.Array
+  limits: jax.Array
+  rows: jax.Array
+  slots: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +361,9 @@ class DecoderLayer(nnx.Module):
   """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
   The caller says what to attend to (`__call__` takes a function that maps this layer's own
-  keys/values to a `Full` or a `CachePrefix` source), so the same layer serves the target (causal
-  attention over its KV cache, `Full`) and the draft (its context cache read in place plus the
+  keys/values to a `Full`, `CacheUpTo`, `PackedCache` or `CachePrefix` source), so the same layer
+  serves the target (causal attention over its KV cache, `CacheUpTo`; packed verify tokens,
+  `PackedCache`; without a cache, `Full`) and the draft (its context cache read in place plus the
   bidirectional block, `CachePrefix`).
   """
 
@@ -332,14 +375,18 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(shape, **kw)
 
   def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
-    """Runs the layer. ``gather_kv(k, v) -> (source, aux)`` says what to attend to, a `Full` or a
-    `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
+    """Runs the layer. ``gather_kv(k, v) -> (source, aux)`` says what to attend to, a `Full`,
+    `CacheUpTo` or `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
     (e.g. the updated cache)."""
     normed = self.input_norm(x)
     q, k, v = self.attention.project(normed, positions)
     source, aux = gather_kv(k, v)
     if isinstance(source, CachePrefix):
       x = x + self.attention.attend_cached(q, source, k, v)
+    elif isinstance(source, CacheUpTo):
+      x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
+    elif isinstance(source, PackedCache):
+      x = x + self.attention.attend_packed(q, source)
     else:
       x = x + self.attention.attend(q, source.keys, source.values, source.mask)
     return x + self.mlp(self.post_norm(x)), aux

@@ -148,15 +148,14 @@ class TargetModel(nnx.Module):
     """
     x = self.embed(tokens)
     start = positions[:, 0]
-    slots = jnp.arange(cache["k"][0].shape[2])
-    mask = slots[None, None, :] <= positions[:, :, None]                # [B, T, S] causal
+    limits = positions + 1                                              # causal: slots <= position
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
         keys = layers.write_heads(cache["k"][i], k, start)
         values = layers.write_heads(cache["v"][i], v, start)
-        return layers.Full(keys, values, mask), (keys, values)
+        return layers.CacheUpTo(keys, values, limits), (keys, values)
       x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
       new_v.append(values)
@@ -164,6 +163,46 @@ class TargetModel(nnx.Module):
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     logits = self.logits(self.final_norm(x))
     return logits, features, {"k": tuple(new_k), "v": tuple(new_v)}
+
+
+  def packed(self, tokens: jax.Array, rows: jax.Array, slots: jax.Array, positions: jax.Array,
+             cache: dict, width: int) -> tuple[jax.Array, jax.Array, dict]:
+    """Runs N packed tokens of a [B, width] block, each with its own row: the verify whose cost
+    follows the tokens it checks (`dspark_jax.decoding.packing`).
+
+    Token i is slot ``slots[i]`` (0 .. width - 1) of row ``rows[i]`` at absolute position
+    ``positions[i]``; ``rows[i] = B`` marks a padding token (nothing read or written for it). A
+    row's tokens are its first slots, at consecutive positions. Each token attends to its row's
+    cache slots at or before its position (its row's earlier tokens of this call included); the
+    keys/values are written at its (row, position) only. The projections, the MLP and the LM head
+    run on the N tokens; attention reads each row's cache up to its last token
+    (`kernels.attention.attend_limited`, queries laid out per row).
+
+    Args:
+      tokens, rows, slots, positions: [N] int. cache: from `init_cache`. width: static slots per row.
+
+    Returns:
+      logits [N, V], features [N, len(feature_layers) * E], the updated cache.
+    """
+    batch = cache["k"][0].shape[0]
+    limits = jnp.zeros((batch, width), jnp.int32).at[rows, slots].set(positions + 1, mode="drop")
+    x = self.embed(tokens[None])
+    saved = {-1: x}
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      def gather_kv(k, v, i=i):
+        keys = cache["k"][i].at[rows, :, positions].set(k[0].astype(cache["k"][i].dtype),
+                                                        mode="drop")
+        values = cache["v"][i].at[rows, :, positions].set(v[0].astype(cache["v"][i].dtype),
+                                                          mode="drop")
+        return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
+      x, (keys, values) = layer(x, positions[None], gather_kv)
+      new_k.append(keys)
+      new_v.append(values)
+      saved[i] = x
+    features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
+    logits = self.logits(self.final_norm(x))
+    return logits[0], features[0], {"k": tuple(new_k), "v": tuple(new_v)}
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")

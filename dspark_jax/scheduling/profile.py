@@ -4,11 +4,12 @@ This module owns `profile_sps`, the measurement behind the ``sps`` table that th
 `schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
 passes per second with n batch tokens.
 
-**What is timed.** The target's cached forward over rows of γ + 1 tokens (anchor and γ drafts) at
-positions ``context .. context + γ``, as in a decoding round: n batch tokens are covered by
-``rows = ceil(n / (γ + 1))`` rows, so the forward sees ``rows · (γ + 1) ≥ n`` tokens (the decoding
-loop's verify forward has this static [B, γ + 1] shape; a verify batch packed to exactly n tokens
-would need its own kernel, which this library does not build). Each sample runs ``steps`` forwards
+**What is timed.** The packed verify a scheduled decoding round runs (`decoding.packing`): n
+tokens of rows at positions ``context .. context + γ``, packed into a bucket of n slots, over a
+cache that ends at the block. With ``batch_size=B`` the sizes are the decoding loop's own token
+buckets for B rows (`packing.token_buckets`), each spread over the B rows as evenly as it goes, and
+`SpsProfile.dense` is the step table the loop really runs: n tokens cost what their bucket costs.
+With explicit ``batch_tokens`` each n is packed alone, over ``ceil(n / (γ + 1))`` rows. Each sample runs ``steps`` forwards
 back to back inside one compiled `lax.fori_loop` (no host dispatch between them, as inside the
 decoding loop), after ``warmup`` untimed samples; the rate is ``steps / median(seconds)`` over
 ``repeats`` samples. The cache contents do not change the work (attention is masked by position
@@ -29,10 +30,10 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
+from dspark_jax.decoding import packing
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
 
-DEFAULT_BATCH_TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class SpsProfile:
   Attributes:
     batch_tokens: [n] int64 the requested verify batch sizes, ascending.
     steps_per_second: [n] float64 verify forwards per second at each.
-    rows: [n] int64 rows of γ + 1 tokens the forward ran (``rows · (γ + 1) >= batch_tokens``).
+    rows: [n] int64 rows the packed tokens belonged to.
     seconds: [n, repeats] float64 the timed samples (each of ``steps`` forwards).
     context, gamma, steps: the settings measured.
     device: the accelerator, in words. date: when (ISO 8601, UTC).
@@ -57,6 +58,15 @@ class SpsProfile:
   steps: int
   device: str
   date: str
+
+  def dense(self) -> np.ndarray:
+    """The dense ``sps`` the schedules take: ``sps[m]`` = the rate measured at the smallest size
+    n >= m (a packed verify of m tokens runs in that bucket), for m up to the largest size."""
+    sizes = self.batch_tokens.astype(np.int64)
+    table = np.zeros(int(sizes[-1]) + 1, np.float64)
+    index = np.searchsorted(sizes, np.arange(1, sizes[-1] + 1))
+    table[1:] = self.steps_per_second[index]
+    return table
 
   def table(self) -> dict[int, float]:
     """{batch tokens: steps per second}."""
@@ -87,12 +97,22 @@ def _device_name() -> str:
   return f"{device.platform}: {device.device_kind} (jax {jax.__version__})"
 
 
-def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: int, steps: int):
-  """A compiled thunk running `steps` verify forwards of `rows` rows; returns it ready to call."""
+def _spread(tokens: int, rows: int, width: int) -> np.ndarray:
+  """[rows] counts summing to `tokens` (<= rows · width), as even as they go."""
+  counts = np.full(rows, tokens // rows, np.int32)
+  counts[:tokens % rows] += 1
+  return counts
+
+
+def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: int, gamma: int,
+                    steps: int):
+  """A compiled thunk running `steps` packed verifies of `tokens` tokens over `rows` rows; returns
+  it ready to call."""
   config = nnx.merge(target_def, target_state).config
   width = gamma + 1
-  tokens = jnp.zeros((rows, width), jnp.int32)
+  block = jnp.zeros((rows, width), jnp.int32)
   positions = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (rows, width))
+  counts = jnp.asarray(_spread(tokens, rows, width))
   cache = tm.init_cache(config, rows, context + width)
 
   @jax.jit
@@ -101,8 +121,8 @@ def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: in
 
     def body(_, carry):
       cache, total = carry
-      logits, _, cache = target(tokens, positions, cache)
-      return cache, total + logits[:, -1, 0].astype(jnp.float32).sum()  # keeps the forward live
+      logits, _, cache = packing.packed_verify(target, block, positions, counts, cache, (tokens,))
+      return cache, total + logits[:, 0, 0].astype(jnp.float32).sum()  # keeps the forward live
 
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))[1]
 
@@ -111,7 +131,8 @@ def _timed_forwards(target_def, target_state, rows: int, context: int, gamma: in
 
 
 def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
-                batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, context: int = 1024,
+                batch_size: int | None = None, batch_tokens: Sequence[int] | None = None,
+                context: int = 1024,
                 gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
                 path: str | os.PathLike | None = None) -> SpsProfile:
   """Measures the target's verify steps per second at each verify batch size (module docstring).
@@ -119,7 +140,9 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   Args:
     target: the target model (its weights and dtype as they will decode).
     draft: the draft whose γ sets the verify width; optional when `gamma` is given.
-    batch_tokens: verify batch sizes n ≥ 1 to measure (sorted, duplicates dropped).
+    batch_size: the decoding batch B: measure the loop's token buckets for B rows (the default,
+      with B = 8 when neither this nor `batch_tokens` is given).
+    batch_tokens: instead, verify batch sizes n ≥ 1 to measure (sorted, duplicates dropped).
     context: the position of each row's anchor: the context length the forward attends over.
     gamma: drafts per block (default: the draft's).
     repeats: timed samples per size (the median is kept). warmup: untimed samples first.
@@ -127,8 +150,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     path: if given, the table is saved there as JSON (`SpsProfile.save`).
 
   Returns:
-    An `SpsProfile`; ``schedules.dense_sps(p.batch_tokens, p.steps_per_second)`` (or
-    ``schedules.load_sps`` of the saved file) is the dense ``sps`` the schedules take.
+    An `SpsProfile`; `SpsProfile.dense` is the dense ``sps`` the schedules take (a saved file
+    read by ``schedules.load_sps`` interpolates between the sizes instead).
 
   Raises:
     ValueError: bad sizes or settings (naming the argument), no γ, a γ that differs from the
@@ -136,7 +159,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   """
   if not isinstance(target, tm.TargetModel):
     raise ValueError(f"target: expected a TargetModel, got {type(target).__name__}")
-  sizes = _check_batch_tokens(batch_tokens)
+  if batch_size is not None and batch_tokens is not None:
+    raise ValueError("batch_size, batch_tokens: give one of them")
   context = validation.check_nonnegative_int("context", context)
   repeats = validation.check_positive_int("repeats", repeats)
   warmup = validation.check_nonnegative_int("warmup", warmup)
@@ -148,11 +172,18 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   gamma = validation.check_positive_int("gamma", gamma)
   if draft is not None and draft.config.gamma != gamma:
     raise ValueError(f"gamma: {gamma}, but the draft drafts γ = {draft.config.gamma}")
+  if batch_tokens is None:
+    batch_size = validation.check_positive_int("batch_size", 8 if batch_size is None
+                                               else batch_size)
+    sizes = np.asarray(packing.token_buckets(batch_size, gamma + 1), np.int64)
+    rows = np.full(sizes.shape, batch_size, np.int64)
+  else:
+    sizes = _check_batch_tokens(batch_tokens)
+    rows = -(-sizes // (gamma + 1))
   target_def, target_state = nnx.split(target)
-  rows = -(-sizes // (gamma + 1))
-  measured = {}  # sizes that need the same rows share one measurement
-  for n_rows in np.unique(rows):
-    call = _timed_forwards(target_def, target_state, int(n_rows), context, gamma, steps)
+  measured = {}
+  for n_rows, n in zip(rows, sizes):
+    call = _timed_forwards(target_def, target_state, int(n_rows), int(n), context, gamma, steps)
     for _ in range(warmup):
       call()
     samples = []
@@ -160,8 +191,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
       start = time.perf_counter()
       call()
       samples.append(time.perf_counter() - start)
-    measured[int(n_rows)] = samples
-  seconds = np.array([measured[int(n)] for n in rows], np.float64)
+    measured[int(n)] = samples
+  seconds = np.array([measured[int(n)] for n in sizes], np.float64)
   profile = SpsProfile(
       batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=rows,
       seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),

@@ -1,0 +1,89 @@
+"""The packed verify: the target checks only the tokens a schedule chose, packed into a token bucket.
+
+This module owns how a round's verify tokens are packed. With a verify-length schedule each row r
+sends its anchor and ℓ_r drafts, ``count_r = 1 + ℓ_r`` tokens (0 for a finished row), instead of
+γ + 1. The N = Σ_r count_r tokens are packed row after row into the smallest of a few static token
+buckets (`token_buckets`), one compiled branch each (`lax.switch`), so the forward's token-wise
+work (projections, MLP, LM head) follows N and no N recompiles. Each packed token carries its row
+and position: it attends to its row's cache up to its own position (the row's earlier verify
+tokens included) and writes its keys/values at that position only (`TargetModel.packed`). The
+logits and target features come back in the dense [B, γ + 1] layout that verification and the
+draft's context read; slots past a row's count hold zeros, which verification never reads (a row's
+accepted run is capped at its verify length) and the context cache overwrites before it reads.
+
+`pack` is the layout: packed slot i belongs to the row whose run of counts covers it; padding
+slots past N carry row B, which every scatter drops and every gather fills with zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models import target as tm
+
+BUCKET_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
+"""Default token buckets, as fractions of a dense verify's B·(γ + 1) tokens."""
+
+
+def token_buckets(batch: int, width: int) -> tuple[int, ...]:
+  """The static token counts a verify of `batch` rows of up to `width` tokens packs into,
+  ascending; the last is ``batch · width`` (every row whole). Each is rounded up to a multiple of
+  ``min(8, batch)``."""
+  full = batch * width
+  step = min(8, batch)
+  sizes = {min(full, step * math.ceil(full * f / step)) for f in BUCKET_FRACTIONS}
+  return tuple(sorted(s for s in sizes if s >= 1))
+
+
+def pack(counts: jax.Array, size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The layout of [B] `counts` tokens (each row's first slots) in `size` packed slots.
+
+  Returns:
+    rows [size] int32 (B where a slot is padding), slots [size] int32 (the token's slot in its row),
+    and the number of tokens N = Σ counts (its slots are the first N).
+  """
+  counts = counts.astype(jnp.int32)
+  batch = counts.shape[0]
+  ends = jnp.cumsum(counts)
+  index = jnp.arange(size, dtype=jnp.int32)
+  rows = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # B past the last token
+  starts = ends - counts
+  slots = index - jnp.take(starts, jnp.minimum(rows, batch - 1))
+  return rows, jnp.where(rows < batch, slots, 0), ends[-1]
+
+
+def packed_verify(target: tm.TargetModel, tokens: jax.Array, positions: jax.Array,
+                  counts: jax.Array, cache: dict, buckets: tuple[int, ...] | None = None
+                  ) -> tuple[jax.Array, jax.Array, dict]:
+  """The target on each row's first ``counts[r]`` tokens, packed (module docstring).
+
+  Args:
+    tokens, positions: [B, W] int, the dense verify block (positions consecutive within a row).
+    counts: [B] int in 0..W: tokens row r verifies.
+    cache: the target's KV cache. buckets: static token counts, ascending (default
+      `token_buckets(B, W)`); the last must cover the largest Σ counts that can occur.
+
+  Returns:
+    logits [B, W, V] and features [B, W, F] (zeros past each row's count), the updated cache.
+  """
+  batch, width = tokens.shape
+  buckets = buckets or token_buckets(batch, width)
+  counts = jnp.clip(counts.astype(jnp.int32), 0, width)
+
+  def run(size, tokens, positions, counts, cache):
+    rows, slots, _ = pack(counts, size)
+    at = lambda x: x.at[rows, slots].get(mode="fill", fill_value=0)
+    logits, features, cache = target.packed(at(tokens), rows, slots, at(positions), cache, width)
+    dense = lambda x: jnp.zeros((batch, width) + x.shape[1:], x.dtype).at[rows, slots].set(
+        x, mode="drop")
+    return dense(logits), dense(features), cache
+
+  if len(buckets) == 1:
+    return run(buckets[0], tokens, positions, counts, cache)
+  total = jnp.sum(counts)
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), total), len(buckets) - 1)
+  branches = [lambda *args, size=size: run(size, *args) for size in buckets]
+  return jax.lax.switch(index, branches, tokens, positions, counts, cache)

@@ -1,0 +1,64 @@
+"""The packed verify (`decoding.packing`, `TargetModel.packed`): the bucket layout, and that a packed
+verify of each row's first tokens gives the dense forward's logits, features and cache writes for
+those tokens (zeros and an untouched cache elsewhere), with one compiled program for every mix of
+counts. Tiny f32 models on the CPU; the law and token-equality tests run it inside `generate`
+(tests/test_generate_schedules.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding import packing
+from dspark_jax.models import target as tm
+from tests.test_decoding import make_target
+
+
+def test_token_buckets_end_at_the_dense_verify_and_round_to_eight():
+  assert packing.token_buckets(64, 8) == (64, 128, 192, 256, 384, 512)
+  assert packing.token_buckets(1, 8) == (1, 2, 3, 4, 6, 8)
+  assert packing.token_buckets(3, 4) == (3, 6, 9, 12)
+  assert packing.token_buckets(16, 4)[-1] == 64
+
+
+def test_pack_lays_rows_out_one_after_the_other_with_padding_rows_past_the_tokens():
+  rows, slots, total = packing.pack(jnp.asarray([2, 0, 3, 1]), 8)
+  np.testing.assert_array_equal(rows, [0, 0, 2, 2, 2, 3, 4, 4])
+  np.testing.assert_array_equal(slots, [0, 1, 0, 1, 2, 0, 0, 0])
+  assert int(total) == 6
+
+
+def test_packed_verify_equals_the_dense_forward_on_each_rows_tokens():
+  target = make_target()
+  config = target.config
+  rng = np.random.default_rng(0)
+  batch, width, slots = 4, 4, 24
+  start = jnp.asarray([3, 9, 0, 15], jnp.int32)
+  positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, width)), jnp.int32)
+  # A cache with real context before each row's block (written by a dense call) and garbage after.
+  cache = tm.init_cache(config, batch, slots)
+  cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), cache)
+  dense_logits, dense_features, dense_cache = target(tokens, positions, cache)
+  calls = []
+
+  @jax.jit
+  def packed(counts, cache):
+    calls.append(1)
+    return packing.packed_verify(target, tokens, positions, counts, cache)
+
+  for counts in ([1, 4, 0, 2], [4, 4, 4, 4], [0, 0, 0, 1], [3, 1, 2, 0]):
+    logits, features, new_cache = packed(jnp.asarray(counts, jnp.int32), cache)
+    live = np.arange(width)[None] < np.asarray(counts)[:, None]           # [B, W]
+    for got, want in ((logits, dense_logits), (features, dense_features)):
+      got, want = np.asarray(got), np.asarray(want)
+      np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
+      assert np.all(got[~live] == 0)
+    written = np.zeros((batch, slots), bool)
+    for b in range(batch):
+      written[b, int(start[b]):int(start[b]) + counts[b]] = True
+    for name in ("k", "v"):
+      for got, want, old in zip(new_cache[name], dense_cache[name], cache[name]):
+        got, want, old = (np.swapaxes(np.asarray(x), 1, 2) for x in (got, want, old))
+        np.testing.assert_allclose(got[written], want[written], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[~written], old[~written])
+  assert len(calls) == 1
