@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--context", type=int, default=None, help="one context (= --contexts N)")
   parser.add_argument("--capacities", type=harness.int_list, default=None,
                       help="comma list of cache sizes in slots, apart from the context (default: "
-                      "context + 2(γ + 1), just enough); e.g. 136,8200 at context 128 times the "
+                      "context + 2(γ + 1) rounded up to 64 slots, as generate allocates); e.g. 136,8200 at context 128 times the "
                       "padding cost: a step over a cache far larger than its rows' context")
   parser.add_argument("--parts", type=part_list, default=list(PARTS),
                       help=f"comma list of the parts to time (default all: {', '.join(PARTS)})")
@@ -262,7 +262,7 @@ def bench_round(target, draft, batch: int, context: int, args, capacity: int | N
   rows = mixed_rows(batch)
   key = jax.random.key(0)
   rng = np.random.default_rng(batch)
-  cache_len = capacity or context + 2 * (gamma + 1)
+  cache_len = capacity or tm.cache_slots(context + 2 * (gamma + 1))
   anchor = jnp.asarray(rng.integers(0, vocab - 1, batch), jnp.int32)
   anchor_pos = jnp.full((batch,), context, jnp.int32)
   stop_ids = jnp.full((batch, 1), -1, jnp.int32)
@@ -489,7 +489,7 @@ def main(argv=None) -> int:
 
   results = {}
   for context in args.contexts:
-    for capacity in args.capacities or [context + 2 * (args.gamma + 1)]:
+    for capacity in args.capacities or [tm.cache_slots(context + 2 * (args.gamma + 1))]:
       for batch in args.batches:
         label = f"context {context}, {capacity} slots, B={batch}"
         shape_start = time.perf_counter()

@@ -151,3 +151,19 @@ def test_limited_form_compiles_once_for_every_length():
     ref = attention.attend_xla(q, keys, values, jnp.arange(s)[None, None] < limits[:, :, None])
     np.testing.assert_allclose(call(q, keys, values, limits), ref, rtol=1e-5, atol=1e-6)
   assert len(traces) == 1 and call._cache_size() == 1
+
+
+def test_cache_attention_takes_the_ragged_kernel_on_gpus_where_it_applies():
+  q = jax.ShapeDtypeStruct((4, 8, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((4, 8, 1088, 128), jnp.bfloat16)
+  assert attention.choose_cached(q, k, "auto", platform="gpu") == "ragged"
+  assert attention.choose_cached(q, k, "auto", platform="cpu") == "xla"
+  assert attention.choose_cached(q, k, "xla", platform="gpu") == "xla"
+  odd = jax.ShapeDtypeStruct((4, 8, 1040, 128), jnp.bfloat16)   # not a multiple of 64 slots
+  assert attention.choose_cached(q, odd, "auto", platform="gpu") == "xla"
+  one = jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.bfloat16)
+  assert attention.choose_cached(one, odd, "auto", platform="gpu") == "cudnn"
+  with pytest.raises(ValueError, match="'ragged': precondition failed: platform is 'cpu'"):
+    attention.choose_cached(q, k, "ragged", platform="cpu")
+  # A whole-mask call (no cache) asked for "ragged" takes auto's choice.
+  assert attention.choose(jnp.bfloat16, 128, "ragged", platform="gpu") == "cudnn"

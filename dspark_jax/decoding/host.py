@@ -251,7 +251,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                          headroom_bytes, store_logits)
   gamma = draft.config.gamma if spec else 0
   out_len = bucket(int(max_new.max()), MIN_BUCKET) + gamma + 1
-  cache_len = prompt.shape[1] + out_len + gamma + 1
+  cache_len = tm.cache_slots(prompt.shape[1] + out_len + gamma + 1)
   extra = padded_batch - batch
   args = (np.pad(prompt, ((0, extra), (0, 0))),
           np.concatenate([prompt_lens, np.ones(extra, np.int32)]),

@@ -222,7 +222,7 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
     raise ValueError("trace: only speculative decoding has rounds to trace (got spec=False)")
   gamma = draft.config.gamma if spec else 0
   out_len = max_new_tokens + gamma + 1
-  cache_len = prompt_len + out_len + gamma + 1
+  cache_len = tm.cache_slots(prompt_len + out_len + gamma + 1)
   budgets = (jnp.full((batch,), max_new_tokens, jnp.int32) if budgets is None
              else jnp.minimum(jnp.asarray(budgets, jnp.int32), max_new_tokens))
   stop_ids = (jnp.full((batch, 0), -1, jnp.int32) if stop_token_ids is None

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 ENV_VAR = "DSPARK_JAX_ATTENTION"
-IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "ragged")
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -69,6 +69,43 @@ def cudnn_precondition(dtype, head_dim: int, platform: str | None = None) -> str
   return None
 
 
+def _requested(implementation: str | None) -> str:
+  requested = implementation or os.environ.get(ENV_VAR, "auto") or "auto"
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation: expected one of {IMPLEMENTATIONS}, got "
+                     f"{requested!r} (from {'the argument' if implementation else ENV_VAR})")
+  return requested
+
+
+def ragged_precondition(q, k, platform: str | None = None) -> str | None:
+  """The first failed precondition of the ``ragged`` kernel for queries `q` [B, T, N, D] over a
+  head-major cache `k` [B, K, S, D] (`kernels.ragged_attention`), or None when it may run."""
+  platform = platform or _platform()
+  if platform != "gpu":
+    return f"platform is {platform!r}, not 'gpu'"
+  from dspark_jax.kernels import ragged_attention
+  return ragged_attention.precondition(q, k)
+
+
+def choose_cached(q, k, implementation: str | None = None, platform: str | None = None) -> str:
+  """``"ragged"``, ``"cudnn"`` or ``"xla"`` for queries `q` over a cache `k` read up to per-query
+  limits (`attend_limited`, the draft's context prefix): ``auto`` takes the ``ragged`` kernel
+  wherever its preconditions hold, else `choose`'s answer (cuDNN or einsums over a cut cache).
+
+  Raises:
+    ValueError: an unknown implementation, or an explicit one whose precondition fails.
+  """
+  requested = _requested(implementation)
+  if requested in ("auto", "ragged"):
+    failed = ragged_precondition(q, k, platform)
+    if not failed:
+      return "ragged"
+    if requested == "ragged":
+      raise ValueError(f"attention implementation 'ragged': precondition failed: {failed}")
+  return choose(q.dtype, q.shape[-1], "auto" if requested == "ragged" else requested, platform,
+                q.shape[1])
+
+
 def choose(dtype, head_dim: int, implementation: str | None = None,
            platform: str | None = None, queries: int = 1) -> str:
   """``"cudnn"`` or ``"xla"`` for queries of `dtype` and `head_dim`.
@@ -82,10 +119,9 @@ def choose(dtype, head_dim: int, implementation: str | None = None,
   Raises:
     ValueError: an unknown implementation, or "cudnn" where its precondition fails.
   """
-  requested = implementation or os.environ.get(ENV_VAR, "auto") or "auto"
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation: expected one of {IMPLEMENTATIONS}, got "
-                     f"{requested!r} (from {'the argument' if implementation else ENV_VAR})")
+  requested = _requested(implementation)
+  if requested == "ragged":  # a whole-mask call has no cache to read up to limits
+    requested = "auto"
   failed = cudnn_precondition(dtype, head_dim, platform)
   if requested == "cudnn" and failed:
     raise ValueError(f"attention implementation 'cudnn': precondition failed: {failed}")
@@ -183,8 +219,11 @@ def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
   whatever they hold. A query with limit 0 gets zeros.
   """
   limits = limits.astype(jnp.int32)
-  cudnn = choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn"
-  form = attend_cudnn if cudnn else attend_xla
+  chosen = choose_cached(q, k, implementation)
+  if chosen == "ragged":
+    from dspark_jax.kernels import ragged_attention
+    return ragged_attention.ragged_attention(q, k.astype(q.dtype), v.astype(q.dtype), limits)[0]
+  form = attend_cudnn if chosen == "cudnn" else attend_xla
   return over_cut_cache(lambda q, k, v, lim: form(q, k, v, _limit_mask(lim, k.shape[2])),
                         q, k, v, limits)
 
@@ -230,8 +269,17 @@ def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_l
   longest prefix (`over_cut_cache`).
   """
   limits = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], q.shape[:2])
-  prefix = over_cut_cache(lambda q, k, v, lim: _part(q, k, v, _limit_mask(lim, k.shape[2])),
-                          q, cache_k, cache_v, limits)
+  if choose_cached(q, cache_k) == "ragged":
+    from dspark_jax.kernels import ragged_attention
+    out, lse = ragged_attention.ragged_attention(q, cache_k.astype(q.dtype),
+                                                 cache_v.astype(q.dtype), limits)
+    b, t, n, d = q.shape
+    heads = cache_k.shape[1]
+    by_head = lambda x: jnp.moveaxis(x.reshape(b, t, heads, n // heads, *x.shape[3:]), 1, 3)
+    prefix = by_head(lse), by_head(out.astype(jnp.float32))
+  else:
+    prefix = over_cut_cache(lambda q, k, v, lim: _part(q, k, v, _limit_mask(lim, k.shape[2])),
+                            q, cache_k, cache_v, limits)
   block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
                 jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
   return _join(prefix, block, q.dtype)

@@ -79,6 +79,16 @@ def qwen3_4b_shape(**overrides) -> TargetConfig:
   return TargetConfig(**values)
 
 
+CACHE_MULTIPLE = 64
+"""Cache sizes the decoding loops allocate are multiples of this: the ragged attention kernel reads
+the cache in blocks of 64 slots (`kernels.ragged_attention`)."""
+
+
+def cache_slots(needed: int) -> int:
+  """The cache size the decoding loops allocate for `needed` slots: rounded up to `CACHE_MULTIPLE`."""
+  return -(-needed // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
 def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple[jax.Array, ...]]:
   """A zeroed KV cache: ``{"k": (...), "v": (...)}``, one head-major [B, K, S, D] array per layer.
 
