@@ -1,4 +1,4 @@
-"""The check to run on the H200 before submitting anything that touches a GPU path: one call, < 8 min.
+"""The check to run on the H200 before submitting anything that touches a GPU path: one call, < 10 min.
 
 Each step runs as a subprocess from the repository root (``PYTHONPATH`` set to it, so this tree's
 ``dspark_jax`` is used, not an installed one) with a timeout; its output goes to
@@ -22,12 +22,15 @@ Each step runs as a subprocess from the repository root (``PYTHONPATH`` set to i
            agree (token agreement is reported); and ``DraftSampler.propose`` returns the folded
            variant's tokens exactly.
   decode   ``python -m benchmarks.bench_decode`` at one size (Qwen3-4B shape, B = 16, context 1024).
+  padding  ``python -m benchmarks.bench_verify`` at B = 16 and 64, context 128: the AR step and the
+           verify in caches of 192 and 8256 slots (the padding cost), and the packed verify
+           against the dense one at 2 and 8 tokens per row.
 
 The pass/fail table (result, seconds, a note) is printed last and written to
 ``$OUT/gpu_check.json``; the exit status is 0 only if every step passed. A step that would start
 with less than `MIN_STEP_SECONDS` of the ``--budget`` left is not run (and fails the check).
 
-  python scripts/gpu_check.py                          # on the H200 (device tool), ~6-8 min
+  python scripts/gpu_check.py                          # on the H200 (device tool), ~8-10 min
   python scripts/gpu_check.py --steps tests,sampler    # a subset
   python scripts/gpu_check.py --cpu-smoke              # here: the same steps, tiny shapes, on the CPU
 
@@ -56,6 +59,8 @@ TESTS = (
     "tests/test_compact_logits.py",
     "tests/test_draft_sampler.py",
     "tests/test_attention.py",
+    "tests/test_ragged_attention.py",
+    "tests/test_packing.py",
 )
 """The GPU-relevant test files (edit here)."""
 TEST_MARKS = "kernel or gpu"
@@ -66,7 +71,7 @@ EVAL_MIN_TAU = 1.6
 the shipped pair gave 2.06 on the subset on the H200 (2026-12-02) and 3.77 on all prompts, 128
 tokens."""
 MIN_STEP_SECONDS = 20
-GPU_BUDGET_S = 470
+GPU_BUDGET_S = 570
 SMOKE_BUDGET_S = 3600
 
 
@@ -142,6 +147,13 @@ def _sampler_note(results: list[dict]) -> str:
       for r in results)
 
 
+def _padding_note(results: dict) -> str:
+  parts = [f"B={r['batch']} {r['call']} {r['padding_cost']:.2f}x" for r in results["padding"]]
+  parts += [f"B={r['batch']} {r['tokens']}/row packed/dense {r['packed_ms'] / r['dense_ms']:.2f}"
+            for r in results["tokens"]]
+  return "padding cost " + "; ".join(parts)
+
+
 def _decode_note(results: dict) -> str:
   return "; ".join(f"B={r['batch']} {r['backend']} round {r['seconds']['full round'] * 1e3:.2f} ms"
                    for r in results["rounds"].values())
@@ -161,6 +173,7 @@ def steps(args, out: str) -> list[Step]:
   eval_dir = os.path.join(out, "eval")
   sampler_json = os.path.join(out, "bench_sampler.json")
   decode_json = os.path.join(out, "bench_decode.json")
+  verify_json = os.path.join(out, "bench_verify.json")
   # The same sample on both: EVAL_MIN_TAU is a property of the shipped models on it (on 2 prompts
   # × 16 tokens the greedy τ is ~1.5).
   eval_args = ["--prompts", "4", "--max-new-tokens", "64"]
@@ -168,11 +181,14 @@ def steps(args, out: str) -> list[Step]:
     demo_args = ["--prompts", "1", "--max-new-tokens", "16"]
     sampler_args = ["--small"]
     decode_args = ["--small"]
+    verify_args = ["--small", "--tokens", "2,8"]
   else:
     demo_args = ["--prompts", "2", "--max-new-tokens", "64"]
     sampler_args = ["--vocab", "129280", "--batch", "8,128", "--gamma", "7", "--rank", "256",
                     "--dtype", "bf16", "--repeats", "10", "--warmup", "3", "--no-torch"]
     decode_args = ["--batches", "16", "--context", "1024", "--e2e-batch", "0", "--repeats", "10"]
+    verify_args = ["--batches", "16,64", "--context", "128", "--capacities", "192,8256",
+                   "--tokens", "2,8", "--repeats", "5"]
   scale = 6 if smoke else 1  # the CPU runs kernels in the interpreter
   return [
       Step("device", [py, "-c", probe], 60, _check_device(smoke), platform),
@@ -187,6 +203,8 @@ def steps(args, out: str) -> list[Step]:
            120 * scale, _check_bench(sampler_json, _sampler_note), platform),
       Step("decode", [py, "-m", "benchmarks.bench_decode", *decode_args, "--json", decode_json],
            180 * scale, _check_bench(decode_json, _decode_note), platform),
+      Step("padding", [py, "-m", "benchmarks.bench_verify", *verify_args, "--json", verify_json],
+           150 * scale, _check_bench(verify_json, _padding_note), platform),
   ]
 
 
@@ -237,7 +255,7 @@ def main(argv=None) -> int:
                       help="every step on the CPU with tiny shapes (--small), larger timeouts")
   parser.add_argument("--steps", default=None,
                       help="comma list of steps to run (default: all): device,tests,demo,eval,"
-                      "sampler,decode")
+                      "sampler,decode,padding")
   parser.add_argument("--budget", type=float, default=None,
                       help=f"seconds for the whole check (default {GPU_BUDGET_S}; --cpu-smoke: "
                       f"{SMOKE_BUDGET_S})")

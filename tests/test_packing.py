@@ -7,8 +7,12 @@ counts. Tiny f32 models on the CPU; the law and token-equality tests run it insi
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
 from dspark_jax.decoding import packing
+from dspark_jax.kernels import attention
+from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from tests.test_decoding import make_target
 
@@ -28,10 +32,27 @@ def test_pack_lays_rows_out_one_after_the_other_with_padding_rows_past_the_token
 
 
 def test_packed_verify_equals_the_dense_forward_on_each_rows_tokens():
-  target = make_target()
+  _check_packed_against_dense(make_target(), slots=24)
+
+
+@pytest.mark.gpu
+def test_packed_verify_equals_the_dense_forward_through_the_ragged_kernel():
+  # Head size 16 and 64 slots: the ragged kernel's preconditions hold, so both forwards attend
+  # through it.
+  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128)
+  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
+                                          feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
+  probe = jax.ShapeDtypeStruct((4, 4, 4, 16), jnp.float32)
+  assert attention.choose_cached(probe, jax.ShapeDtypeStruct((4, 2, 64, 16), jnp.float32)) == (
+      "ragged")
+  _check_packed_against_dense(target, slots=64)
+
+
+def _check_packed_against_dense(target, slots):
   config = target.config
   rng = np.random.default_rng(0)
-  batch, width, slots = 4, 4, 24
+  batch, width = 4, 4
   start = jnp.asarray([3, 9, 0, 15], jnp.int32)
   positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, width)), jnp.int32)

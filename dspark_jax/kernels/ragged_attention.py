@@ -1,0 +1,271 @@
+"""Attention of a few queries per row over a head-major KV cache, reading each row's valid prefix.
+
+This module owns `ragged_attention`, a Pallas kernel (Triton lowering on GPUs, Pallas' interpreter
+on the CPU) that computes the same function as `attention.attend_xla` with the mask
+``slot < limits[b, t]``, plus the log-sum-exp of each query's scores, but whose cost follows each
+row's real length instead of the cache capacity S: a row whose queries see at most ``L_b`` slots
+reads ``ceil(L_b / block_kv)`` key/value blocks, and no block past that is ever loaded.
+
+Layout and work split:
+
+* Grouped-query attention: one kernel instance handles one (row b, key/value head k, split) and all
+  ``G = N / K`` query heads of that kv head times all T queries of the row at once, as one [P, D]
+  query tile (tile row ``p = t·G + g``; P = T·G rounded up to a power of two >= 16, the matrix
+  unit's minimum height). The kernel gathers the tile from q [B, T, N, D] and the rows' limits
+  from [B, T] itself (no rearranging pass in XLA); a padding row p >= T·G repeats row p mod T·G.
+  One pass over a kv head's keys serves the whole group.
+* Split-K (flash decoding): the grid is (B, K, splits). Split i of row b takes the KV blocks
+  ``[i·n_b, (i+1)·n_b) ∩ [0, ceil(L_b / block_kv))`` with ``n_b = ceil(ceil(L_b / block_kv) /
+  splits)``, so every split of a row gets an equal share of the row's real blocks whatever S is.
+  With one split the kernel normalises and writes out and lse in place; with more, each split
+  writes float32 partials (running max m, sum l, unnormalised output acc) and XLA combines them
+  (`_combine`). A split with nothing to do writes m = -inf, l = 0, acc = 0.
+* The KV loop has a dynamic trip count and loads each block from the whole cache by a computed
+  start slot (`_block_start`), the hook where a block table (paged KV) would map (row, logical
+  block) to a physical block.
+
+Scores and the softmax run in float32 with scale 1/sqrt(D); the probabilities are rounded to the
+value dtype before the second product, as in `attend_xla`. Slots at or past a row's length are
+loaded as zeros (masked loads), so whatever they hold (NaN, inf) never reaches the result; a query
+that sees no slot gets zeros and lse = -inf, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MIN_ROWS = 16       # a dot on the matrix units needs at least 16 rows
+MAX_ROWS = 128      # the largest query tile P = T·G (padded) one instance holds
+DEFAULT_BLOCK_KV = 64
+SMS = 132           # streaming multiprocessors of an H200: the default split count fills them
+WAVES = 1           # instances per SM the default split count aims at
+DEFAULT_WARPS = 4
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def query_rows(t: int, groups: int) -> int:
+  """P: the rows of one instance's query tile, T·G rounded up to a power of two >= 16."""
+  return max(MIN_ROWS, 1 << max(t * groups - 1, 0).bit_length())
+
+
+def default_splits(batch: int, kv_heads: int, slots: int, block_kv: int) -> int:
+  """Splits per (row, kv head) so that the grid has about `WAVES` instances per SM of an H200:
+  ``clamp(ceil(WAVES·SMS / (B·K)), 1, S / block_kv)``."""
+  return max(1, min(-(-WAVES * SMS // (batch * kv_heads)), slots // block_kv))
+
+
+def default_stages(block_kv: int) -> int:
+  """Software-pipeline depth of the KV loop: 4 blocks in flight of up to 64 slots, else 3 (shared
+  memory holds ``stages · block_kv · D`` keys and values)."""
+  return 4 if block_kv <= 64 else 3
+
+
+def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV) -> str | None:
+  """The first failed precondition of `ragged_attention` on these arrays, in words, or None.
+
+  q [B, T, N, D]; k (and v, if given) [B, K, S, D]. Requires: those ranks and matching B and D; v
+  shaped as k; N a multiple of K; D a power of two in 16..256; `block_kv` a power of two >= 16
+  dividing S; q, k, v all of one dtype among bfloat16, float16, float32; the query tile
+  ``P = query_rows(T, N / K)`` at most `MAX_ROWS`.
+  """
+  if q.ndim != 4 or k.ndim != 4:
+    return f"q must be [B, T, N, D] and k [B, K, S, D], got shapes {q.shape} and {k.shape}"
+  b, t, n, d = q.shape
+  kb, heads, slots, kd = k.shape
+  if v is not None and v.shape != k.shape:
+    return f"v shape {v.shape} differs from k shape {k.shape}"
+  if kb != b or kd != d:
+    return f"q {q.shape} and k {k.shape} disagree on the batch or the head size"
+  if heads < 1 or n % heads:
+    return f"query heads N={n} are not a multiple of kv heads K={heads}"
+  if d < 16 or d > 256 or d & (d - 1):
+    return f"head size D={d} is not a power of two in 16..256"
+  if block_kv < 16 or block_kv & (block_kv - 1):
+    return f"block_kv={block_kv} is not a power of two >= 16"
+  if slots % block_kv:
+    return f"cache slots S={slots} are not a multiple of block_kv={block_kv}"
+  dtypes = [jnp.dtype(x.dtype) for x in (q, k) + ((v,) if v is not None else ())]
+  if dtypes[0] not in [jnp.dtype(x) for x in DTYPES]:
+    return f"dtype {dtypes[0].name} is not bfloat16, float16 or float32"
+  if any(x != dtypes[0] for x in dtypes):
+    return f"q, k, v dtypes differ: {', '.join(x.name for x in dtypes)}"
+  rows = query_rows(t, n // heads)
+  if rows > MAX_ROWS:
+    return (f"query tile P={rows} (T={t} queries x G={n // heads} heads per kv head) exceeds "
+            f"{MAX_ROWS}")
+  return None
+
+
+def _block_start(b, j, block_kv: int):
+  """The first cache slot of row `b`'s logical KV block `j` (contiguous cache: ``j·block_kv``;
+  a paged cache would read a block table here)."""
+  del b
+  return j * block_kv
+
+
+def _kernel(limits_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, groups: int, block_kv: int,
+            splits: int, scale: float):
+  """One (row b, kv head h, split) instance.
+
+  Inputs (whole, indexed here): limits_ref [B, T] int32, q_ref [B, T, N, D], k_ref and v_ref
+  [B, K, S, D]. Query row p < T·G of the tile is query ``t = p // G`` of head ``h·G + p % G``;
+  rows past T·G are padding, computed as a copy of row ``p mod T·G`` (so a store of the whole
+  tile writes each of those addresses with one value).
+  Outputs: with one split, out_ref [B, T, N, D] (q's dtype) and lse_ref [B, T, N] float32, final;
+  else the float32 partials m_ref, l_ref [B, K, splits, P] and acc_ref [B, K, splits, P, D].
+  """
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t_count, d = q_ref.shape[1], q_ref.shape[3]
+  slots_total = k_ref.shape[2]
+  p = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  source = p % (t_count * groups)      # a padding row repeats a real row: same inputs, same result
+  t = source // groups
+  head = h * groups + source % groups
+  limits = limits_ref[b, t]
+  limits = jnp.clip(limits, 0, slots_total)                  # [P]
+  # Gathers take integer indices in every dimension (Pallas' interpreter mixes no slices in).
+  tile = lambda x: jnp.broadcast_to(x[:, None], (rows, d))
+  gather = (b, tile(t), tile(head), jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1))
+  q = q_ref[gather]                                          # [P, D]
+  length = jnp.max(limits)                                   # slots the row's queries see at most
+  blocks = (length + block_kv - 1) // block_kv
+  per_split = (blocks + splits - 1) // splits
+  lo = split * per_split
+  hi = jnp.minimum(lo + per_split, blocks)
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+
+  def body(j, carry):
+    m, l, acc = carry
+    start = _block_start(b, j, block_kv)
+    slots = j * block_kv + lanes                             # logical slots of the block
+    inside = jnp.broadcast_to((slots < length)[:, None], (block_kv, d))
+    window = (b, h, pl.ds(start, block_kv), slice(None))
+    keys = plgpu.load(k_ref.at[window], mask=inside, other=0.0)
+    values = plgpu.load(v_ref.at[window], mask=inside, other=0.0)
+    scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * scale
+    visible = slots[None, :] < limits[:, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)       # a row with nothing yet: no -inf - -inf
+    probs = jnp.exp(scores - shift[:, None])
+    alpha = jnp.exp(m - shift)
+    l = l * alpha + jnp.sum(probs, axis=1)
+    acc = acc * alpha[:, None] + jax.lax.dot_general(
+        probs.astype(values.dtype), values, (((1,), (0,)), ((), ())), precision=precision,
+        preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, d), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+  if splits == 1:
+    out_ref, lse_ref = out_refs
+    some = l > 0
+    safe = jnp.where(some, l, 1.0)
+    out = jnp.where(some[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
+    lse = jnp.where(some, m + jnp.log(safe), -jnp.inf)
+    # Padding rows store their real row's value again: no mask (Pallas' interpreter would write
+    # the old contents back through a masked-out duplicate address).
+    plgpu.store(out_ref.at[gather], out)
+    plgpu.store(lse_ref.at[b, t, head], lse)
+  else:
+    m_ref, l_ref, acc_ref = out_refs
+    m_ref[b, h, split, :] = m
+    l_ref[b, h, split, :] = l
+    acc_ref[b, h, split, :, :] = acc
+
+
+def _combine(m, l, acc):
+  """Partials m, l [B, K, splits, P] and acc [B, K, splits, P, D] -> (out [B, K, P, D], lse
+  [B, K, P]) float32; zeros and -inf where no split saw a slot."""
+  top = jnp.max(m, axis=2)
+  shift = jnp.where(top == -jnp.inf, 0.0, top)
+  weight = jnp.exp(m - shift[:, :, None])                    # 0 for an empty split
+  total = jnp.sum(l * weight, axis=2)
+  summed = jnp.sum(acc * weight[..., None], axis=2)
+  some = total > 0
+  safe = jnp.where(some, total, 1.0)
+  out = jnp.where(some[..., None], summed / safe[..., None], 0.0)
+  lse = jnp.where(some, shift + jnp.log(safe), -jnp.inf)
+  return out, lse
+
+
+def _compiler_params(num_warps, num_stages):
+  params = {name: value for name, value in (("num_warps", num_warps),
+                                             ("num_stages", num_stages)) if value}
+  return plgpu.CompilerParams(**params) if params else None
+
+
+@functools.partial(jax.jit, static_argnames=("block_kv", "splits", "num_warps", "num_stages",
+                                             "interpret"))
+def ragged_attention(q, k, v, limits, *, block_kv=None, splits=None, num_warps=None,
+                     num_stages=None, interpret=False) -> tuple[jax.Array, jax.Array]:
+  """[B, T, N, D] queries over head-major [B, K, S, D] keys/values, each up to its own limit.
+
+  Args:
+    q: [B, T, N, D]; query head h reads kv head ``h // (N // K)``.
+    k, v: [B, K, S, D], the dtype of q (`precondition` lists the rest).
+    limits: [B, T] int: query (b, t) sees cache slots ``s < limits[b, t]`` (clipped to 0..S;
+      0 = nothing: zeros). Slots at or past ``max_t limits[b, t]`` are never read.
+    block_kv: slots per KV block (default 64); a power of two >= 16 dividing S.
+    splits: instances per (row, kv head) sharing a row's blocks (default `default_splits`).
+    num_warps, num_stages: Triton compiler settings (None: `DEFAULT_WARPS`, `default_stages`).
+    interpret: run in Pallas' interpreter (CPU).
+
+  Returns:
+    ``(out, lse)``: out [B, T, N, D] in q.dtype, equal to `attention.attend_xla` with the mask
+    ``slot < limits[b, t]``; lse [B, T, N] float32, the log-sum-exp of the scaled scores over the
+    visible slots (-inf where none), so that a caller can join this softmax part with another.
+
+  Raises:
+    ValueError: naming the failed precondition.
+  """
+  block_kv = block_kv or DEFAULT_BLOCK_KV
+  failed = precondition(q, k, v, block_kv=block_kv)
+  if failed:
+    raise ValueError(f"ragged_attention: precondition failed: {failed}")
+  b, t, n, d = q.shape
+  heads, slots = k.shape[1], k.shape[2]
+  if limits.shape != (b, t):
+    raise ValueError(f"ragged_attention: limits shape {limits.shape} is not [B, T] = {(b, t)}")
+  groups = n // heads
+  rows = query_rows(t, groups)
+  splits = splits or default_splits(b, heads, slots, block_kv)
+  num_warps = num_warps or DEFAULT_WARPS
+  num_stages = num_stages or default_stages(block_kv)
+  if splits < 1:
+    raise ValueError(f"ragged_attention: splits={splits} is not positive")
+  kernel = functools.partial(_kernel, rows=rows, groups=groups, block_kv=block_kv, splits=splits,
+                             scale=1.0 / math.sqrt(d))
+  if splits == 1:
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
+  else:
+    partial = jax.ShapeDtypeStruct((b, heads, splits, rows), jnp.float32)
+    out_shape = [partial, partial, jax.ShapeDtypeStruct((b, heads, splits, rows, d), jnp.float32)]
+  outs = pl.pallas_call(
+      kernel,
+      grid=(b, heads, splits),
+      in_specs=[pl.no_block_spec] * 4,
+      out_specs=[pl.no_block_spec] * len(out_shape),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(num_warps, num_stages),
+      interpret=interpret,
+  )(limits.astype(jnp.int32), q, k, v)
+  if splits == 1:
+    return tuple(outs)
+  out, lse = _combine(*outs)
+  # Query row p = t·G + g of kv head k's tile -> query t, head k·G + g.
+  out = out[:, :, :t * groups].reshape(b, heads, t, groups, d)
+  lse = lse[:, :, :t * groups].reshape(b, heads, t, groups)
+  out = jnp.swapaxes(out, 1, 2).reshape(b, t, n, d).astype(q.dtype)
+  lse = jnp.swapaxes(lse, 1, 2).reshape(b, t, n)
+  return out, lse
