@@ -3,7 +3,8 @@
 Shapes (default, GPU): the Qwen3-4B-shaped target of `bench_decode` (random bf16 weights), every
 row holding ``--context`` real tokens.
 
-* **Padding cost** (``--capacities``, default ``context + 8`` and 8200 slots): the autoregressive
+* **Padding cost** (``--capacities``, default ``context + 8`` and 8200 slots, each rounded up to 64
+  as the decoding loops allocate, `models.target.cache_slots`): the autoregressive
   step (one token per row) and the dense verify (γ + 1 tokens per row) over a KV cache of each
   capacity; the ratio of the largest capacity's time to the smallest's is the padding cost (1.0:
   the cost follows the rows' context, not the cache).
@@ -19,7 +20,7 @@ after ``--warmup``. The floor is the larger of the target's weights plus the row
 run's matrix rate.
 
   python -m benchmarks.bench_verify --small                       # CPU smoke check
-  python -m benchmarks.bench_verify --batches 1,16,64,128 --context 128
+  python -m benchmarks.bench_verify --batches 1,16,64,128 --context 128     # 192 vs 8256 slots
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--context", type=int, default=None,
                       help="real tokens per row (default 128; --small: 16)")
   parser.add_argument("--capacities", type=harness.int_list, default=None,
-                      help="comma list of cache sizes in slots (default context + 8 and 8200; "
-                      "--small: context + 8 and 512)")
+                      help="comma list of cache sizes in slots (default context + 8 and 8200, "
+                      "rounded up to 64; --small: 8200 -> 512)")
   parser.add_argument("--tokens", type=harness.int_list, default=None,
                       help="comma list of verify tokens per row (default 1..γ + 1)")
   parser.add_argument("--gamma", type=int, default=7)
@@ -59,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.batches = args.batches or ([2] if args.small else [1, 16, 64, 128])
   args.context = args.context or (16 if args.small else 128)
   width = args.gamma + 1
-  args.capacities = sorted(args.capacities or [args.context + width,
-                                               512 if args.small else 8200])
+  args.capacities = sorted(args.capacities or [tm.cache_slots(args.context + width),
+                                               tm.cache_slots(512 if args.small else 8200)])
   if args.capacities[0] < args.context + width:
     parser.error(f"--capacities: each cache must hold the context and a verify block "
                  f"({args.context + width} slots)")
