@@ -23,7 +23,7 @@ from flax import nnx
 import dspark_jax as dj
 from dspark_jax.formats import qwen3, safetensors_io
 from dspark_jax.models import layers
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -55,7 +55,7 @@ from dspark_jax.formats import qwen3
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3DSparkModel"
 HEAD_TYPES = ("vanilla", "gated", "rnn")

@@ -37,7 +37,7 @@ from dspark_jax import validation
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
@@ -351,7 +351,7 @@ def layer_names(ours: str, theirs: str) -> dict[str, str]:
 def hf_names(config: tm.TargetConfig) -> dict[str, str]:
   """``{TargetModel parameter path: Hugging Face tensor name}`` for a target of `config`.
 
-  Paths are those of `dspark_jax.train.checkpoints.named_arrays` (e.g.
+  Paths are those of `dspark_jax.formats.checkpoints.named_arrays` (e.g.
   ``layers.0.attention.q_proj.kernel``); a tied target has no ``lm_head.kernel`` (and its
   checkpoint no ``lm_head.weight``). Paths ending in ``.kernel`` are stored transposed
   (`is_transposed`).

@@ -33,7 +33,7 @@ in the order transformers' ``generate`` and DeepSpec's evaluator look for them:
 
 The shipped pair's tokenizer (`dspark_jax.models.shipped`) is a `Tokenizer` built with
 `Tokenizer.from_backend`; only there do ``<|endoftext|>`` = 0 and ``<|mask|>`` = 1 hold
-(`dspark_jax.train.data`). Loaded models take every id from their files.
+(`dspark_jax.text.byte_bpe`). Loaded models take every id from their files.
 """
 
 from __future__ import annotations
