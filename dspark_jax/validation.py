@@ -49,11 +49,24 @@ def as_array(name: str, value: Any) -> Any:
       array = np.asarray(value)
     except ValueError as error:  # ragged nesting
       raise TypeError(f"{name}: expected an array or a (nested) list of numbers of one shape, "
-                      f"got a ragged {type(value).__name__}") from error
+                      f"got a ragged {type(value).__name__}{_ragged_entry(value)}") from error
     if array.dtype.kind not in "biuf":
       raise TypeError(f"{name}: expected numbers, got {type(value).__name__} of {array.dtype}")
     return array
   raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+
+
+def _ragged_entry(value) -> str:
+  """Where a ragged nesting first breaks: ", entry i has shape s, entry 0 has t" (or "")."""
+  shapes = []
+  for entry in value:
+    try:
+      shapes.append(np.shape(entry))
+    except ValueError:
+      return f" (entry {len(shapes)} is itself ragged)"
+    if shapes[-1] != shapes[0]:
+      return f" (entry {len(shapes) - 1} has shape {shapes[-1]}, entry 0 has {shapes[0]})"
+  return ""
 
 
 def _first(bad: np.ndarray) -> tuple:

@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from dspark_jax import validation
+
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -436,11 +438,13 @@ def load_tokenizer(directory: str) -> Tokenizer:
   """Loads the tokenizer of a Hugging Face model directory (module docstring for the files).
 
   Raises:
+    TypeError: `directory` is not a path (str or os.PathLike).
     ValueError: ``tokenizer.json`` missing or unreadable, a config that is not JSON or has a bad
       field, a declared token id that disagrees with ``tokenizer.json``; each names the file.
   """
   from tokenizers import Tokenizer as Backend
 
+  directory = validation.check_path("directory", directory)
   if not os.path.isdir(directory):
     raise ValueError(f"{directory}: not a directory")
   path = os.path.join(directory, "tokenizer.json")
