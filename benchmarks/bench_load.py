@@ -43,7 +43,7 @@ from flax import nnx
 import dspark_jax as dj
 from benchmarks import bench_decode
 from benchmarks import harness
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ Public API (each name documented in its module):
   ``model(input_ids).logits``).
 * `load_pretrained`, `save_pretrained` (formats.pretrained): a Hugging Face Qwen3 target and a
   DeepSpec DSpark / DFlash draft, read from and written to their directories.
-* `draft_proposal` (draft.draft_proposal): the draft block proposed after given tokens, as inside
+* `draft_proposal` (decoding.draft_proposal): the draft block proposed after given tokens, as inside
   `generate`.
 * `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
   `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
@@ -36,7 +36,7 @@ Public API (each name documented in its module):
 
 from dspark_jax.decoding import DecodeOutput, GenerateResult, decode, generate
 from dspark_jax.draft.block import DraftBlock, sample_block, sample_block_eager
-from dspark_jax.draft.draft_proposal import draft_proposal
+from dspark_jax.decoding.draft_proposal import draft_proposal
 from dspark_jax.draft.heads import (ConfidenceHead, MarkovHead, confidence_head_from_arrays,
                                     markov_head_from_arrays)
 from dspark_jax.draft.memory_gate import FoldedSampling, GateDecision

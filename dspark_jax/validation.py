@@ -7,7 +7,9 @@ This module owns the rules that more than one public function applies to what a 
 * `check_range`: integer values in [low, high), checked after widening to int64, so that a value
   that would wrap when narrowed (2**32 + 3 as int32 is 3) is refused rather than wrapped;
 * `check_key`: one PRNG key, typed (``jax.random.key``) or raw (``jax.random.PRNGKey``: uint32 [2]);
-* `check_positive_int` / `check_nonnegative_int`: static sizes (batch sizes, γ, vocabularies).
+* `check_positive_int` / `check_nonnegative_int`: static sizes (batch sizes, γ, vocabularies);
+* `check_path`: a file or directory argument (str or ``os.PathLike``);
+* `check_dtype`: a model's compute and storage dtype (`COMPUTE_DTYPES`).
 
 Values that are being traced (inside the user's ``jit`` or ``vmap``) cannot be inspected: only their
 shapes and dtypes are checked, and the caller's documentation says what a bad value then does.
@@ -16,6 +18,7 @@ shapes and dtypes are checked, and the caller's documentation says what a bad va
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import jax
@@ -24,6 +27,8 @@ import numpy as np
 
 POSITION_LIMIT = 2**31
 """Absolute positions lie in [0, 2**31): they index int32 arrays and feed the row streams."""
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes the models' layers compute and store their weights in."""
 
 
 def is_traced(x: Any) -> bool:
@@ -44,11 +49,24 @@ def as_array(name: str, value: Any) -> Any:
       array = np.asarray(value)
     except ValueError as error:  # ragged nesting
       raise TypeError(f"{name}: expected an array or a (nested) list of numbers of one shape, "
-                      f"got a ragged {type(value).__name__}") from error
+                      f"got a ragged {type(value).__name__}{_ragged_entry(value)}") from error
     if array.dtype.kind not in "biuf":
       raise TypeError(f"{name}: expected numbers, got {type(value).__name__} of {array.dtype}")
     return array
   raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+
+
+def _ragged_entry(value) -> str:
+  """Where a ragged nesting first breaks: ", entry i has shape s, entry 0 has t" (or "")."""
+  shapes = []
+  for entry in value:
+    try:
+      shapes.append(np.shape(entry))
+    except ValueError:
+      return f" (entry {len(shapes)} is itself ragged)"
+    if shapes[-1] != shapes[0]:
+      return f" (entry {len(shapes) - 1} has shape {shapes[-1]}, entry 0 has {shapes[0]})"
+  return ""
 
 
 def _first(bad: np.ndarray) -> tuple:
@@ -130,3 +148,25 @@ def check_nonnegative_int(name: str, value) -> int:
   if value < 0:
     raise ValueError(f"{name}: must be >= 0, got {value}")
   return value
+
+
+def check_path(name: str, value) -> str:
+  """`value` as a str path, or TypeError naming `name` unless it is a str or ``os.PathLike``."""
+  if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+    raise TypeError(f"{name}: expected a path (str or os.PathLike), got {type(value).__name__} "
+                    f"{value!r}")
+  return os.fspath(value)
+
+
+def check_dtype(name: str, value) -> np.dtype:
+  """`value` as a dtype, or ValueError naming `name` unless it is one of `COMPUTE_DTYPES` (a name
+  such as "bfloat16", a NumPy / JAX dtype or scalar type)."""
+  try:
+    dtype = jnp.dtype(value.removeprefix("torch.") if isinstance(value, str) else value)
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or dtype.name not in COMPUTE_DTYPES:
+    shown = value if dtype is None else dtype.name
+    raise ValueError(f"{name}: {shown!r} is not supported; the layers compute in "
+                     f"{', '.join(COMPUTE_DTYPES)}")
+  return dtype

@@ -76,7 +76,9 @@ from dspark_jax.models import draft as dm  # noqa: E402
 from dspark_jax.models import layers, shipped  # noqa: E402
 from dspark_jax.models import target as tm  # noqa: E402
 from dspark_jax.scheduling import calibration  # noqa: E402
-from dspark_jax.train import checkpoints, data  # noqa: E402
+from dspark_jax.formats import checkpoints  # noqa: E402
+from dspark_jax.text import byte_bpe  # noqa: E402
+from dspark_jax.train import data  # noqa: E402
 from dspark_jax.train import trainer as training  # noqa: E402
 
 PROMPT_TOKENS, CONTINUATION_TOKENS = 64, 192
@@ -150,7 +152,7 @@ def gamma(tiny: bool) -> int:
 
 def draft_config(tiny: bool, markov: bool, target: tm.TargetConfig) -> dm.DraftConfig:
   return dm.DraftConfig(gamma=gamma(tiny), num_layers=1, target_layer_ids=target.feature_layers,
-                        mask_token_id=data.MASK_ID, head_kind="vanilla",
+                        mask_token_id=byte_bpe.MASK_ID, head_kind="vanilla",
                         rank=(16 if tiny else 128) if markov else 1, confidence=True,
                         confidence_with_markov=markov, dtype=target.dtype)
 
@@ -305,7 +307,7 @@ def stage_data(args, budget):
                      f"{len(held_idx)} held-out files; each needs at least one")
 
   if os.path.exists(path(args, "tokenizer.json")):  # keep a tokenizer trained before
-    tokenizer = data.load_tokenizer(path(args, "tokenizer.json"))
+    tokenizer = byte_bpe.load_tokenizer(path(args, "tokenizer.json"))
   else:
     sample, sample_bytes = [], 0
     for i in sorted(train_idx, key=lambda i: data.priority(corpus.files[i])[1]):  # all mixed
@@ -519,7 +521,7 @@ def stage_calibrate(args, budget):
   rng = np.random.default_rng(7)
   cal_prompts = [stream[s:s + PROMPT_TOKENS].astype(np.int32)
                  for s in rng.integers(lo, hi, n_cal)]
-  tokenizer = data.load_tokenizer(path(args, "tokenizer.json"))
+  tokenizer = byte_bpe.load_tokenizer(path(args, "tokenizer.json"))
   with open(path(args, "heldout_prompts.json")) as f:
     texts = json.load(f)[:2 if args.tiny else 16]
   sample_prompts = [np.asarray(tokenizer.encode(t, add_special_tokens=False).ids[-512:], np.int32)
@@ -654,12 +656,12 @@ def stage_export_hf(args, budget):
       shutil.copyfile(os.path.join(args.export, "tokenizer.json"),
                       os.path.join(directory, "tokenizer.json"))
       with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": data.END_OF_TEXT,
-                   "pad_token": data.END_OF_TEXT, "mask_token": data.MASK,
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": byte_bpe.END_OF_TEXT,
+                   "pad_token": byte_bpe.END_OF_TEXT, "mask_token": byte_bpe.MASK,
                    "clean_up_tokenization_spaces": False}, f, indent=2)
       with open(os.path.join(directory, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": data.END_OF_TEXT_ID, "pad_token_id": data.END_OF_TEXT_ID}, f,
-                  indent=2)
+        json.dump({"eos_token_id": byte_bpe.END_OF_TEXT_ID,
+                   "pad_token_id": byte_bpe.END_OF_TEXT_ID}, f, indent=2)
     else:
       written[name] = dj.save_pretrained(model, directory, target=pair.target)
   # Read back: the pair loads, with the calibrated temperatures.

@@ -316,7 +316,7 @@ def test_plot_acceptance_leaves_matplotlib_backend_alone(tmp_path):
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory):
   from tests.test_decoding import make_draft, make_target
-  from dspark_jax.train import checkpoints
+  from dspark_jax.formats import checkpoints
   directory = tmp_path_factory.mktemp("ckpt")
   target = make_target()
   checkpoints.save_model(str(directory / "target.safetensors"), target)
@@ -344,7 +344,7 @@ def _rewrite_config(src, dst, edit):
      r"config.layer: num_kv_heads: must be >= 1, got 0"),
 ])
 def test_bad_checkpoint_metadata_is_named(saved_target, tmp_path, edit, message):
-  from dspark_jax.train import checkpoints
+  from dspark_jax.formats import checkpoints
   directory, _ = saved_target
   bad = tmp_path / "bad.safetensors"
   _rewrite_config(directory / "target.safetensors", bad, edit)
@@ -353,7 +353,7 @@ def test_bad_checkpoint_metadata_is_named(saved_target, tmp_path, edit, message)
 
 
 def test_truncated_and_wrong_kind_checkpoints_are_named(saved_target, tmp_path):
-  from dspark_jax.train import checkpoints
+  from dspark_jax.formats import checkpoints
   directory, target = saved_target
   data = (directory / "target.safetensors").read_bytes()
   for cut in (20, len(data) // 2):

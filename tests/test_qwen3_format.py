@@ -23,7 +23,7 @@ from flax import nnx
 import dspark_jax as dj
 from dspark_jax.formats import qwen3, safetensors_io
 from dspark_jax.models import layers
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -263,7 +263,7 @@ def _hf_dict(**changes):
     (dict(rope_parameters={"rope_type": "linear"}), {}, "rope_parameters.factor is required"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), {},
      "partial_rotary_factor 0.5 is not supported"),
-    (dict(torch_dtype="int8", dtype=KeyError), {}, "torch_dtype 'int8' is not a floating dtype"),
+    (dict(torch_dtype="int8", dtype=KeyError), {}, "torch_dtype: 'int8' is not supported"),
     ({}, dict(feature_layers=(0, 2)), "feature_layers: 2 is not -1"),
 ])
 def test_config_refusals(changes, kwargs, message):

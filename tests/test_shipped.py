@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 from dspark_jax.apps import cli
+from dspark_jax.text import byte_bpe
 from dspark_jax.train import data
 from dspark_jax.models import layers
 from dspark_jax.models import shipped
@@ -42,7 +43,7 @@ def test_shipped_files_match_the_manifest(pair):
   # The models fit together: the drafts read the target's feature layers and its vocabulary.
   assert pair.draft.config.target_layer_ids == pair.target.config.feature_layers
   assert pair.draft.head.vocab_size == pair.target.config.vocab_size == pair.tokenizer.get_vocab_size()
-  assert pair.draft.config.mask_token_id == data.MASK_ID
+  assert pair.draft.config.mask_token_id == byte_bpe.MASK_ID
   assert float(jnp.abs(pair.ablation.head.w2[...]).max()) == 0.0  # no sequential correction
   n_target = sum(x.size for x in jax.tree.leaves(nnx.state(pair.target, nnx.Param)))
   assert 10e6 <= n_target <= 30e6
@@ -65,7 +66,7 @@ def test_tokenizer_round_trips_held_out_text(pair):
   assert texts
   for text in texts:
     assert pair.decode(pair.encode(text)) == text
-  assert pair.tokenizer.token_to_id(data.END_OF_TEXT) == data.END_OF_TEXT_ID
+  assert pair.tokenizer.token_to_id(byte_bpe.END_OF_TEXT) == byte_bpe.END_OF_TEXT_ID
 
 
 def test_split_is_deterministic_and_disjoint():

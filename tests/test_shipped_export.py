@@ -20,7 +20,7 @@ from flax import nnx
 import dspark_jax as dj
 from dspark_jax.formats import deepspec
 from dspark_jax.models import shipped
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ from dspark_jax.models import draft as dm
 from dspark_jax.models import layers, shipped
 from dspark_jax.models import target as tm
 from dspark_jax.text import load_tokenizer
-from dspark_jax.train import checkpoints, data
+from dspark_jax.formats import checkpoints
+from dspark_jax.text import byte_bpe
+from dspark_jax.train import data
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                        "train_pair.py")
@@ -113,7 +115,7 @@ def test_calibration_files_are_train_files():
 def test_encode_each_ends_every_file_with_end_of_text():
   tokenizer = data.train_tokenizer(["def f(x):\n  return x\n"] * 20, vocab_size=300)
   arrays = data.encode_each(tokenizer, ["a = 1\n", "def f(x):\n  return x\n"])
-  assert [a[-1] for a in arrays] == [data.END_OF_TEXT_ID] * 2
+  assert [a[-1] for a in arrays] == [byte_bpe.END_OF_TEXT_ID] * 2
   assert all(a.dtype == np.uint16 for a in arrays)
   stream = data.join(arrays)
   np.testing.assert_array_equal(stream, data.encode_files(tokenizer, ["a = 1\n",
@@ -270,7 +272,7 @@ def test_tiny_all_stages_export_pairs_that_load(tmp_path, capsys):
   np.testing.assert_array_equal(np.asarray(draft.confidence.temperatures[...], np.float64),
                                 cal["stored_temperatures"])
   assert target.config.feature_layers == pair.draft.config.target_layer_ids
-  assert load_tokenizer(os.path.join(hf, "target")).eos_token_ids == (data.END_OF_TEXT_ID,)
+  assert load_tokenizer(os.path.join(hf, "target")).eos_token_ids == (byte_bpe.END_OF_TEXT_ID,)
   _, ablation = dj.load_pretrained(os.path.join(hf, "target"), os.path.join(hf, "ablation"))
   assert float(jnp.abs(ablation.head.w2[...].astype(jnp.float32)).max()) == 0.0
   assert {"corpus.json", "calibration_log.json", "target_log.json"} <= set(os.listdir(logs))

@@ -193,6 +193,8 @@ def read_eval_dataset(path: str, num_prompts: int | None = None) -> list[str]:
     if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
       raise ValueError(f"{path}:{number}: expected an object whose 'turns' is a non-empty list of "
                        "strings")
+    if not turns[0]:
+      raise ValueError(f"{path}:{number}: the first turn (the prompt) is empty")
     prompts.append(turns[0])
     if num_prompts is not None and len(prompts) == num_prompts:
       break

@@ -10,6 +10,7 @@ loop as a pure function of arrays). One module per job:
 * `host`: `generate`, `GenerateResult`, input checks, padding buckets, routing and the compile
   cache.
 * `stops`: stop sequences: the host check (`stop_sequence_array`), the in-loop match, finish codes.
+* `draft_proposal`: the block a draft proposes after given tokens, by the same pieces as a round.
 
 * **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
   target once; the first new token is sampled from the target at each row's last prompt position

@@ -237,6 +237,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   if params.batch_size != batch:
     raise ValueError(f"params: has {params.batch_size} rows but there are {batch} prompts")
   max_new = _check_budgets(max_new_tokens, batch)
+  validation.check_key("key", key)
   stop_ids = verification.stop_id_array(stop_token_ids, batch, vocab)
   stop_seqs = stops.stop_sequence_array(stop_sequences, batch, vocab)
   loop.check_schedule(schedule, draft, spec)

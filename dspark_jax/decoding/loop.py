@@ -157,6 +157,7 @@ def check_schedule(schedule, draft: dm.DSparkDraft | None, spec: bool) -> None:
                      f"dspark_jax.scheduling.schedules, got {type(schedule).__name__}")
   if not spec:
     raise ValueError("schedule: only speculative decoding verifies blocks (got spec=False)")
+  check_schedule_contract(schedule, draft.config.gamma)
   if draft.confidence is None:
     gamma = draft.config.gamma
     closed = jax.make_jaxpr(update)(jnp.zeros((1, gamma), jnp.float32), jnp.ones((1,), bool),
@@ -164,6 +165,40 @@ def check_schedule(schedule, draft: dm.DSparkDraft | None, spec: bool) -> None:
     if _reads_first_input(closed):
       raise ValueError("schedule: reads the draft's confidence, but the draft has no confidence "
                        "head; use schedule=None (or schedules.fixed()) or a draft with one")
+
+
+_CONTRACT = ("init(batch_size, gamma) -> state, and update(confidence [B, γ] float32, active [B] "
+             "bool, state) -> (verify_lens [B] int, state of the same structure, shapes and dtypes)")
+
+
+def check_schedule_contract(schedule, gamma: int, batch: int = 2) -> None:
+  """Raises ValueError naming ``schedule.init`` or ``schedule.update`` unless, traced on a `batch`-row
+  batch (no values computed), they keep `_CONTRACT`."""
+  try:
+    state = schedule.init(batch, gamma)
+  except Exception as error:  # a user's function: any failure is a broken contract
+    raise ValueError(f"schedule.init: init({batch}, {gamma}) raised {type(error).__name__}: {error}; "
+                     f"a schedule must be {_CONTRACT}") from error
+  try:
+    out = jax.eval_shape(schedule.update, jax.ShapeDtypeStruct((batch, gamma), jnp.float32),
+                         jax.ShapeDtypeStruct((batch,), jnp.bool_), state)
+  except Exception as error:  # a user's function: any failure is a broken contract
+    raise ValueError(f"schedule.update: raised {type(error).__name__} on a {batch}-row batch: "
+                     f"{error}; a schedule must be {_CONTRACT}") from error
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise ValueError(f"schedule.update: returned {type(out).__name__}"
+                     f"{'' if not isinstance(out, (tuple, list)) else f' of {len(out)}'}, not "
+                     f"(verify_lens, state); a schedule must be {_CONTRACT}")
+  lens, new_state = out
+  if getattr(lens, "shape", None) != (batch,) or not jnp.issubdtype(lens.dtype, jnp.integer):
+    raise ValueError(f"schedule.update: verify_lens has shape {getattr(lens, 'shape', None)} and "
+                     f"dtype {getattr(lens, 'dtype', None)} for a {batch}-row batch; expected "
+                     f"[{batch}] integers (one verify length per row)")
+  before = jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), state)
+  after = jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), new_state)
+  if jax.tree.structure(before) != jax.tree.structure(after) or before != after:
+    raise ValueError(f"schedule.update: the state it returns ({after}) differs from init's "
+                     f"({before}) in structure, shape or dtype; a schedule must be {_CONTRACT}")
 
 
 # ---- the compiled loop as a pure function ---------------------------------------------------------
@@ -214,6 +249,7 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
       reads the confidence with a draft that has none.
   """
   batch, prompt_len = np.shape(prompt)
+  validation.check_key("key", key)
   max_new_tokens = validation.check_nonnegative_int("max_new_tokens", max_new_tokens)
   if spec and draft is None:
     raise ValueError("draft: required for speculative decoding (pass spec=False for the loop)")

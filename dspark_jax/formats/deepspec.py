@@ -49,12 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import validation
 from dspark_jax.draft import heads
 from dspark_jax.formats import qwen3
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3DSparkModel"
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -203,7 +204,7 @@ def draft_config_from_deepspec(hf: Mapping[str, Any], *, dtype=None,
     if shape.hidden_size != target_config.hidden_size:
       raise ValueError(f"config: hidden_size {shape.hidden_size} differs from the target's "
                        f"{target_config.hidden_size}")
-  dtype = jnp.dtype(dtype) if dtype is not None else (qwen3.dtype_from_hf(hf)
+  dtype = validation.check_dtype("dtype", dtype) if dtype is not None else (qwen3.dtype_from_hf(hf)
                                                       or jnp.dtype(jnp.float32))
   try:
     return dm.DraftConfig(
@@ -286,7 +287,7 @@ def _to_theirs(value: np.ndarray, storage: str | None) -> np.ndarray:
   return value
 
 
-def _target_tables(target: tm.TargetModel) -> dict[str, np.ndarray]:
+def target_tables(target: tm.TargetModel) -> dict[str, np.ndarray]:
   """The target's embedding and LM head as DeepSpec stores the draft's copies ([V, E] each)."""
   embed = np.asarray(target.embed.embedding[...])
   head = embed if target.config.tie_embeddings else np.asarray(target.lm_head.kernel[...]).T
@@ -297,7 +298,7 @@ def _check_shared(tensors: Mapping[str, np.ndarray], target: tm.TargetModel, dty
                   what: str) -> None:
   """Refuses (ValueError naming the tensor) a copy of the embedding / LM head that is missing,
   misshapen, or differs from the target's once both are cast to the draft's dtype `dtype`."""
-  for name, table in _target_tables(target).items():
+  for name, table in target_tables(target).items():
     if name not in tensors:
       raise ValueError(f"{what}: missing tensor {name!r}")
     copy = np.asarray(tensors[name])
@@ -367,7 +368,7 @@ def deepspec_tensors(draft: dm.DSparkDraft, target: tm.TargetModel) -> dict[str,
     raise ValueError(f"draft: parameter {extra[0]!r} has no DeepSpec name")
   out = {names[path][0]: _to_theirs(np.asarray(value).astype(dtype), names[path][1])
          for path, value in arrays.items()}
-  out.update({k: np.ascontiguousarray(v.astype(dtype)) for k, v in _target_tables(target).items()})
+  out.update({k: np.ascontiguousarray(v.astype(dtype)) for k, v in target_tables(target).items()})
   return out
 
 
@@ -393,11 +394,11 @@ def load_deepspec_draft(directory: str, target: tm.TargetModel, *, dtype=None) -
       not the draft's ``target_layer_ids``, or a missing, unexpected, misshapen or differing
       tensor (naming it).
   """
-  directory = os.fspath(directory)
+  directory = validation.check_path("directory", directory)
   hf = read_draft_config(directory)
   tensors = safetensors_io.read_tensors(directory)
-  if dtype is None:
-    dtype = qwen3._checkpoint_dtype(hf, tensors)
+  dtype = (qwen3._checkpoint_dtype(hf, tensors) if dtype is None
+           else validation.check_dtype("dtype", dtype))
   config = draft_config_from_deepspec(hf, dtype=dtype, target_config=target.config)
   if tuple(target.config.feature_layers) != config.target_layer_ids:
     raise ValueError(f"config: target_layer_ids {list(config.target_layer_ids)} differ from the "
@@ -424,18 +425,28 @@ def save_deepspec_draft(draft: dm.DSparkDraft, directory: str, target: tm.Target
     ValueError: not a draft and its target, or a draft that reads the target's final layer
       (``target_layer_ids``: DeepSpec would read that layer after the final norm).
   """
+  check_savable(draft, target)
+  return write_directory(directory, deepspec_config(draft, target), deepspec_tensors(draft, target),
+                         max_shard_bytes=max_shard_bytes)
+
+
+def check_savable(draft: dm.DSparkDraft, target: tm.TargetModel) -> None:
+  """Raises ValueError unless `draft` is a `DSparkDraft` fitting `target` whose layers have a
+  faithful Hugging Face hidden-state index (not the target's final layer: DeepSpec and the
+  speculators pipeline read that one after the final norm, where ours is the raw output)."""
   if not isinstance(draft, dm.DSparkDraft):
     raise ValueError(f"draft: expected a DSparkDraft, got {type(draft).__name__}")
   if not isinstance(target, tm.TargetModel):
     raise ValueError(f"target: expected the TargetModel the draft shares its embedding and LM head "
                      f"with, got {type(target).__name__}")
   draft.config.check_against(target.config)
-  # DeepSpec reads the features of target_layer_ids from Hugging Face's hidden states, where the
-  # final layer's is after the final norm: a draft trained on our raw final-layer output has no
-  # faithful DeepSpec form.
   check_target_layer_ids(list(draft.config.target_layer_ids), target.config.num_layers)
-  hf = deepspec_config(draft, target)
-  tensors = deepspec_tensors(draft, target)
+
+
+def write_directory(directory: str, hf: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
+                    max_shard_bytes: int | None = None) -> list[str]:
+  """Writes `tensors` (safetensors, sharded above `max_shard_bytes`) and `hf` as ``config.json``
+  into `directory`; returns the names of the files written."""
   directory = os.fspath(directory)
   files = safetensors_io.write_tensors(directory, tensors, max_shard_bytes=max_shard_bytes)
   with open(os.path.join(directory, qwen3.CONFIG_FILE), "w") as f:

@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import validation
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
@@ -212,18 +213,13 @@ def layer_shape_from_hf(hf: Mapping[str, Any]) -> layers.LayerShape:
 
 
 def dtype_from_hf(hf: Mapping[str, Any]):
-  """The checkpoint's dtype named by ``dtype`` (transformers 5) or ``torch_dtype``, or None."""
+  """The checkpoint's dtype named by ``dtype`` (transformers 5) or ``torch_dtype``, or None; one
+  the layers do not compute in (`validation.COMPUTE_DTYPES`) is refused naming the field."""
   name = hf.get("dtype") or hf.get("torch_dtype")
   if name is None:
     return None
   field = "dtype" if hf.get("dtype") else "torch_dtype"
-  try:
-    dtype = jnp.dtype(str(name).removeprefix("torch."))
-  except TypeError:
-    raise ValueError(f"config: {field} {name!r} is not a dtype") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"config: {field} {name!r} is not a floating dtype")
-  return dtype
+  return validation.check_dtype(f"config: {field}", str(name))
 
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype=None,
@@ -251,7 +247,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype=None,
   if architectures is not None and list(architectures) != [ARCHITECTURE]:
     raise ValueError(f"config: architectures {architectures!r} is not [{ARCHITECTURE!r}]")
   shape = layer_shape_from_hf(hf)
-  dtype = jnp.dtype(dtype) if dtype is not None else (dtype_from_hf(hf) or jnp.dtype(jnp.float32))
+  dtype = (validation.check_dtype("dtype", dtype) if dtype is not None
+           else (dtype_from_hf(hf) or jnp.dtype(jnp.float32)))
   tie = hf.get("tie_word_embeddings", False)
   if not isinstance(tie, bool):
     raise ValueError(f"config: tie_word_embeddings must be true or false, got {tie!r}")
@@ -354,7 +351,7 @@ def layer_names(ours: str, theirs: str) -> dict[str, str]:
 def hf_names(config: tm.TargetConfig) -> dict[str, str]:
   """``{TargetModel parameter path: Hugging Face tensor name}`` for a target of `config`.
 
-  Paths are those of `dspark_jax.train.checkpoints.named_arrays` (e.g.
+  Paths are those of `dspark_jax.formats.checkpoints.named_arrays` (e.g.
   ``layers.0.attention.q_proj.kernel``); a tied target has no ``lm_head.kernel`` (and its
   checkpoint no ``lm_head.weight``). Paths ending in ``.kernel`` are stored transposed
   (`is_transposed`).
@@ -424,11 +421,13 @@ def from_hf_tensors(tensors: Mapping[str, Any], names: Mapping[str, str],
 
 
 def _checkpoint_dtype(hf: Mapping[str, Any], tensors: Mapping[str, Any]):
-  """The config's dtype, else the tensors' (the widest floating one)."""
+  """The config's dtype, else the tensors' (the widest floating one; refused unless the layers
+  compute in it, naming ``dtype``: pass one)."""
   dtype = dtype_from_hf(hf)
   if dtype is None:
     floats = [v.dtype for v in tensors.values() if jnp.issubdtype(v.dtype, jnp.floating)]
     dtype = jnp.result_type(*floats) if floats else jnp.dtype(jnp.float32)
+    dtype = validation.check_dtype("dtype (the tensors' own; config.json names none)", dtype)
   return jnp.dtype(dtype)
 
 
@@ -449,11 +448,11 @@ def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-
       tensor (naming it). A tied checkpoint may hold ``lm_head.weight`` only if it equals the
       embedding.
   """
-  directory = os.fspath(directory)
+  directory = validation.check_path("directory", directory)
   hf = read_config(directory)
   tensors = safetensors_io.read_tensors(directory)
-  if dtype is None:
-    dtype = _checkpoint_dtype(hf, tensors)
+  dtype = (_checkpoint_dtype(hf, tensors) if dtype is None
+           else validation.check_dtype("dtype", dtype))
   config = config_from_hf(hf, dtype=dtype, feature_layers=feature_layers)
   if config.tie_embeddings and "lm_head.weight" in tensors:
     embed = tensors.get("model.embed_tokens.weight")

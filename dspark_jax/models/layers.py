@@ -217,7 +217,7 @@ class Attention(nnx.Module):
 
   The query, key and value projections are one matrix, ``qkv_proj`` [E, (N + 2K)·D] (columns:
   queries, keys, values), so a layer reads its inputs' projections in one product. Checkpoints
-  name its parts ``q_proj``, ``k_proj`` and ``v_proj`` (`dspark_jax.train.checkpoints`).
+  name its parts ``q_proj``, ``k_proj`` and ``v_proj`` (`dspark_jax.formats.checkpoints`).
   """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):

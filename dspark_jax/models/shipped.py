@@ -26,10 +26,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.train import checkpoints
-from dspark_jax.train import data
+from dspark_jax.formats import checkpoints
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.text import byte_bpe
 from dspark_jax.text.tokenizer import Tokenizer
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -114,7 +114,7 @@ class ShippedPair:
 
 def load_shipped_tokenizer(directory: str = ASSETS) -> Tokenizer:
   """The shipped byte-level BPE as a `dspark_jax.text.Tokenizer`: ``<|endoftext|>`` (id 0) is its
-  EOS and only stop token, ``<|mask|>`` (id 1) its mask token (`dspark_jax.train.data`).
+  EOS and only stop token, ``<|mask|>`` (id 1) its mask token (`dspark_jax.text.byte_bpe`).
 
   Raises:
     ValueError: ``tokenizer.json`` missing, unreadable, or with the reserved tokens elsewhere.
@@ -123,11 +123,11 @@ def load_shipped_tokenizer(directory: str = ASSETS) -> Tokenizer:
   if not os.path.exists(path):
     raise ValueError(f"{path}: the shipped tokenizer is missing")
   try:
-    backend = data.load_tokenizer(path)
+    backend = byte_bpe.load_tokenizer(path)
   except Exception as error:  # the tokenizers library raises its own error for a damaged file
     raise ValueError(f"{path}: not a readable tokenizer ({error})") from error
-  return Tokenizer.from_backend(backend, special_tokens={"eos_token": data.END_OF_TEXT,
-                                                         "mask_token": data.MASK})
+  return Tokenizer.from_backend(backend, special_tokens={"eos_token": byte_bpe.END_OF_TEXT,
+                                                         "mask_token": byte_bpe.MASK})
 
 
 def available(directory: str = ASSETS) -> bool:

@@ -105,7 +105,10 @@ class SamplingParams:
   Scalars are broadcast to [B]. Host values (Python, NumPy, concrete JAX arrays) are validated as the
   float32 / int32 / uint32 values the samplers will see and kept as read-only NumPy copies (the
   caller's arrays are neither kept nor changed), so `all_greedy` can be answered without touching
-  the device.
+  the device. The fields are read-only: writing into one (``params.temperature[0] = 1.0``) raises
+  NumPy's ``ValueError: assignment destination is read-only``, and assigning one raises
+  ``AttributeError: SamplingParams is immutable``; build a new `SamplingParams` to change a value,
+  so that it is validated again.
 
   Raises:
     ValueError: a field with a bad value (naming the field and the first bad row), a field that is not

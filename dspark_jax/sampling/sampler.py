@@ -394,6 +394,9 @@ def check_logits(logits, params: sp.SamplingParams) -> None:
     raise ValueError(f"logits: expected [B, V], got shape {np.shape(logits)}")
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise ValueError(f"logits: expected a float dtype, got {logits.dtype}")
+  if np.shape(logits)[1] < 1:
+    raise ValueError(f"logits: expected V >= 1 columns (one per token id), got shape "
+                     f"{np.shape(logits)}")
   if not isinstance(params, sp.SamplingParams):
     raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
   if params.batch_size != logits.shape[0]:

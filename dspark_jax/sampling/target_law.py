@@ -131,4 +131,5 @@ def sample_target(logits: jax.Array, params: sp.SamplingParams, key: jax.Array,
   """
   sampling.check_logits(logits, params)
   validation.check_batch("positions", positions, logits.shape[0])
+  validation.check_key("key", key)
   return _sample_target(logits, params, key, jnp.asarray(positions), int(stream))

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dspark_jax import validation
+
 EPSILON = 1e-12
 """Confidences are clipped to [EPSILON, 1 − EPSILON] before their logit is taken."""
 
@@ -56,7 +58,7 @@ class Reliability(NamedTuple):
 
 
 def _check_data(confidence, accept_len) -> tuple[np.ndarray, np.ndarray]:
-  c = np.asarray(confidence)
+  c = np.asarray(validation.as_array("confidence", confidence))
   if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] < 1:
     raise ValueError(f"confidence: expected shape [N, γ] with N, γ >= 1, got {c.shape}")
   if c.dtype.kind not in "iuf":
@@ -67,7 +69,7 @@ def _check_data(confidence, accept_len) -> tuple[np.ndarray, np.ndarray]:
     index = tuple(int(i) for i in np.argwhere(bad)[0])
     raise ValueError(f"confidence: element {list(index)} is {c[index]}; must be in [0, 1]")
   n, gamma = c.shape
-  lens = np.asarray(accept_len)
+  lens = np.asarray(validation.as_array("accept_len", accept_len))
   if lens.shape != (n,):
     raise ValueError(f"accept_len: expected shape ({n},), got {lens.shape}")
   if lens.dtype.kind not in "iu":

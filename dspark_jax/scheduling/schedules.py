@@ -388,6 +388,10 @@ def top_k(sps, lag: int = 2) -> Schedule:
 # ---- the throughput table -------------------------------------------------------------------------
 
 
+MAX_BATCH_TOKENS = 2**24
+"""The largest batch size a throughput table may name (its dense form is float64 [size + 1])."""
+
+
 def _table_points(name: str, batch_tokens, steps_per_second) -> tuple[np.ndarray, np.ndarray]:
   """Measured points as (int64 [M] strictly increasing, ≥ 1; float64 [M] finite, > 0)."""
   tokens = np.asarray(batch_tokens)
@@ -408,6 +412,11 @@ def _table_points(name: str, batch_tokens, steps_per_second) -> tuple[np.ndarray
   if bad.any():
     i = int(np.flatnonzero(bad)[0])
     raise ValueError(f"{name}: batch_tokens[{i}] is {tokens[i]}; must be >= 1")
+  bad = tokens > MAX_BATCH_TOKENS
+  if bad.any():
+    i = int(np.flatnonzero(bad)[0])
+    raise ValueError(f"{name}: batch_tokens[{i}] is {tokens[i]}; must be <= {MAX_BATCH_TOKENS} (the "
+                     "dense table holds one float per batch size up to the largest)")
   bad = np.diff(tokens) <= 0
   if bad.any():
     i = int(np.flatnonzero(bad)[0]) + 1

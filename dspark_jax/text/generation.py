@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_jax import validation
 from dspark_jax.text.tokenizer import Tokenizer
 
 FINISH_REASONS = ("stop_string", "stop_token", "length")
@@ -94,6 +95,9 @@ def encode_prompts(tokenizer: Tokenizer, prompts, *, chat: bool = False,
   if not isinstance(prompts, Sequence) or not prompts:
     raise ValueError("prompts: expected a non-empty list of strings"
                      + (" or message lists" if chat else ""))
+  if chat_kwargs is not None and not isinstance(chat_kwargs, Mapping):
+    raise ValueError(f"chat_kwargs: expected a mapping of template variables (a dict), got "
+                     f"{type(chat_kwargs).__name__} {chat_kwargs!r}")
   encoded = []
   for i, prompt in enumerate(prompts):
     if chat:
@@ -215,6 +219,7 @@ def generate_text(target, draft, tokenizer: Tokenizer, prompts, params, key, *,
   if "stop_sequences" in generate_kwargs:
     raise ValueError("stop_sequences: pass stop strings as stop= (generate_text encodes them)")
   vocab = target.config.vocab_size
+  validation.check_key("key", key)
   prompt_ids = encode_prompts(tokenizer, prompts, chat=chat, chat_kwargs=chat_kwargs,
                               add_special_tokens=add_special_tokens)
   batch = len(prompt_ids)

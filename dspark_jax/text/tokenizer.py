@@ -33,7 +33,7 @@ in the order transformers' ``generate`` and DeepSpec's evaluator look for them:
 
 The shipped pair's tokenizer (`dspark_jax.models.shipped`) is a `Tokenizer` built with
 `Tokenizer.from_backend`; only there do ``<|endoftext|>`` = 0 and ``<|mask|>`` = 1 hold
-(`dspark_jax.train.data`). Loaded models take every id from their files.
+(`dspark_jax.text.byte_bpe`). Loaded models take every id from their files.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
+
+from dspark_jax import validation
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -436,11 +438,13 @@ def load_tokenizer(directory: str) -> Tokenizer:
   """Loads the tokenizer of a Hugging Face model directory (module docstring for the files).
 
   Raises:
+    TypeError: `directory` is not a path (str or os.PathLike).
     ValueError: ``tokenizer.json`` missing or unreadable, a config that is not JSON or has a bad
       field, a declared token id that disagrees with ``tokenizer.json``; each names the file.
   """
   from tokenizers import Tokenizer as Backend
 
+  directory = validation.check_path("directory", directory)
   if not os.path.isdir(directory):
     raise ValueError(f"{directory}: not a directory")
   path = os.path.join(directory, "tokenizer.json")

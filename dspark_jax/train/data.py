@@ -18,8 +18,8 @@ This module owns the text every machine has and how it becomes token ids:
   file its path relative to the directory holding the package (``numpy/linalg/_linalg.py``), with
   ``/`` separators; so the same interpreter and package versions always give the same split.
 * **Tokenizer.** A byte-level BPE (the `tokenizers` library) trained on the train split, vocabulary
-  8192 by default, with two reserved tokens: ``<|endoftext|>`` (id 0, separates files) and
-  ``<|mask|>`` (id 1, the DSpark block filler).
+  8192 by default, with the two reserved tokens of `dspark_jax.text.byte_bpe`: ``<|endoftext|>``
+  (id 0, separates files) and ``<|mask|>`` (id 1, the DSpark block filler).
 * **Calibration files.** Train files with crc32(key) % 100 == 1 (`is_calibration`, ≈ 1 %) give the
   prompts that calibrate the draft's confidence head; the draft's own training prompts avoid them.
 * **Arrays.** `encode_each` encodes files (each followed by end-of-text) as uint16 arrays, `join`
@@ -40,10 +40,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-END_OF_TEXT = "<|endoftext|>"
-MASK = "<|mask|>"
-SPECIAL_TOKENS = (END_OF_TEXT, MASK)
-END_OF_TEXT_ID, MASK_ID = 0, 1
+from dspark_jax.text.byte_bpe import END_OF_TEXT_ID, SPECIAL_TOKENS, check_tokenizer
+
 DEFAULT_VOCAB_SIZE = 8192
 HELD_OUT_MODULUS = 20
 DEFAULT_PACKAGES = ("numpy", "scipy", "jax", "flax", "optax", "chex", "matplotlib", "pandas",
@@ -314,23 +312,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tokenizer.train_from_iterator(texts, trainer=trainer)
-  check_tokenizer(tokenizer)
-  return tokenizer
-
-
-def check_tokenizer(tokenizer) -> None:
-  """Raises ValueError unless the reserved ids are where this module says."""
-  for token, expected in ((END_OF_TEXT, END_OF_TEXT_ID), (MASK, MASK_ID)):
-    got = tokenizer.token_to_id(token)
-    if got != expected:
-      raise ValueError(f"tokenizer: {token!r} has id {got}, expected {expected}")
-
-
-def load_tokenizer(path: str):
-  """Loads a tokenizer saved with ``tokenizer.save(path)`` and checks its reserved ids."""
-  from tokenizers import Tokenizer
-
-  tokenizer = Tokenizer.from_file(path)
   check_tokenizer(tokenizer)
   return tokenizer
 

@@ -12,7 +12,8 @@ This module owns how weights are learned:
   ``use_markov=False`` trains the DFlash-style parallel ablation (corrected = base logits).
 * `make_optimizer`: AdamW with linear warm-up (4 %) and cosine decay, global-norm clipping at 1.0.
 * `Trainer`: jitted train steps over nnx parameters, a progress bar, periodic resumable checkpoints
-  (`checkpoints.save_train_state`) and a wall-clock budget, so a run can be split across device calls.
+  (`save_train_state` / `load_train_state`: parameters, optimizer state and step in one safetensors
+  file, in the tensor names of `dspark_jax.formats.checkpoints`) and a wall-clock budget, so a run can be split across device calls.
 
 The target and the drafter's shared embedding and LM head are never updated by `dspark_loss`: only the
 draft's own parameters are differentiated.
@@ -21,6 +22,7 @@ draft's own parameters are differentiated.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Callable
@@ -31,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dspark_jax.train import checkpoints
+from dspark_jax.formats import checkpoints
 from dspark_jax.models import draft as dm
 from dspark_jax.draft import heads
 from dspark_jax.models import target as tm
@@ -150,7 +152,7 @@ class Trainer:
     self.opt_state = self.optimizer.init(self.params)
     self.step = 0
     if self.checkpoint_path and os.path.exists(self.checkpoint_path):
-      self.params, self.opt_state, self.step = checkpoints.load_train_state(
+      self.params, self.opt_state, self.step = load_train_state(
           self.checkpoint_path, self.params, self.opt_state)
     graphdef, loss_fn, optimizer = self.graphdef, self.loss_fn, self.optimizer
     self.frozen_def, self.frozen_state = (None, None) if self.frozen is None else nnx.split(self.frozen)
@@ -170,7 +172,7 @@ class Trainer:
 
   def save(self) -> None:
     if self.checkpoint_path:
-      checkpoints.save_train_state(self.checkpoint_path, self.params, self.opt_state, self.step)
+      save_train_state(self.checkpoint_path, self.params, self.opt_state, self.step)
 
   def train(self, batches: Callable[[int], Any], steps: int, *, log_every: int = 50) -> nnx.Module:
     """Trains until `steps` total steps (or the time budget); returns the model with new params."""
@@ -222,3 +224,26 @@ def draft_batches(sequences: np.ndarray, batch: int, anchors: int, gamma: int, f
     where = rng.integers(first_anchor, length - gamma, (batch, anchors))
     return (jnp.asarray(sequences[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)))
   return at
+
+
+def save_train_state(path: str, params, opt_state, step: int, extra: dict | None = None) -> None:
+  """Parameters and optimizer state (float32) plus the step, for resuming (`load_train_state`)."""
+  from safetensors.flax import save_file
+
+  arrays = {f"params.{k}": v for k, v in checkpoints.named_arrays(params).items()}
+  arrays.update({f"opt.{k}": v for k, v in checkpoints.named_arrays(opt_state).items()})
+  meta = {"step": str(int(step))}
+  meta.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+  tmp = path + ".tmp"
+  save_file({k: jnp.asarray(v) for k, v in arrays.items()}, tmp, metadata=meta)
+  os.replace(tmp, path)  # never leave a half-written checkpoint behind
+
+
+def load_train_state(path: str, params_template, opt_state_template):
+  """(params, opt_state, step) from `path`, shaped like the templates."""
+  arrays = checkpoints.load_arrays(path)
+  params = checkpoints.replace_named(params_template, {k[7:]: v for k, v in arrays.items()
+                                           if k.startswith("params.")}, what=path)
+  opt_state = checkpoints.replace_named(opt_state_template, {k[4:]: v for k, v in arrays.items()
+                                                 if k.startswith("opt.")}, what=path)
+  return params, opt_state, int(checkpoints.read_metadata(path)["step"])

@@ -1,12 +1,12 @@
-"""Checkpoints: model weights and configs in safetensors files, and optimizer state for resuming.
+"""dspark_jax's own checkpoint format: model weights and configs in safetensors files.
 
-This module owns how models and training state go to disk and come back:
+This module owns how our models go to disk and come back (the formats of other libraries are its
+neighbours in `dspark_jax.formats`; training state for resuming is `dspark_jax.train.trainer`'s):
 
 * `save_model` / `load_target` / `load_draft`: an nnx model's parameters as one safetensors file
   (tensor names are the parameter paths, e.g. ``layers.0.attention.q_proj.kernel``), its config as
   JSON in the file's metadata, and any extra metadata you pass (how it was trained). Saving can cast
   to another dtype (bf16 for shipping).
-* `save_train_state` / `load_train_state`: parameters + optimizer state + step, for resuming a run.
 * `config_to_dict` and the ``*_config_from_dict`` functions: the JSON form of the configs.
 
 Loading builds a model from its config and replaces every parameter, checking names and shapes: a
@@ -319,26 +319,3 @@ def load_draft(path: str, target_config: tm.TargetConfig, *, compute_dtype=None)
   config = draft_config_from_dict(_model_config(path, "DSparkDraft"), f"{path}: config")
   return draft_from_arrays(_with_compute_dtype(config, compute_dtype), target_config,
                            load_arrays(path))
-
-
-def save_train_state(path: str, params, opt_state, step: int, extra: dict | None = None) -> None:
-  """Parameters and optimizer state (float32) plus the step, for resuming (`load_train_state`)."""
-  from safetensors.flax import save_file
-
-  arrays = {f"params.{k}": v for k, v in named_arrays(params).items()}
-  arrays.update({f"opt.{k}": v for k, v in named_arrays(opt_state).items()})
-  meta = {"step": str(int(step))}
-  meta.update({k: json.dumps(v) for k, v in (extra or {}).items()})
-  tmp = path + ".tmp"
-  save_file({k: jnp.asarray(v) for k, v in arrays.items()}, tmp, metadata=meta)
-  os.replace(tmp, path)  # never leave a half-written checkpoint behind
-
-
-def load_train_state(path: str, params_template, opt_state_template):
-  """(params, opt_state, step) from `path`, shaped like the templates."""
-  arrays = load_arrays(path)
-  params = replace_named(params_template, {k[7:]: v for k, v in arrays.items()
-                                           if k.startswith("params.")}, what=path)
-  opt_state = replace_named(opt_state_template, {k[4:]: v for k, v in arrays.items()
-                                                 if k.startswith("opt.")}, what=path)
-  return params, opt_state, int(read_metadata(path)["step"])
