@@ -70,7 +70,7 @@ def test_cudnn_form_matches_xla_form_on_the_gpu():
       assert np.all(out[0, 0] == 0)
 
 
-@pytest.mark.parametrize("slots", [24, 300])   # 300: the prefix part reads a cut cache
+@pytest.mark.parametrize("slots", [24, 1100])   # 1100: the prefix part reads a cut cache
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype, slots):
   # A cache prefix + a fresh block, with a causal block and with a block that sees itself whole
@@ -81,7 +81,7 @@ def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype, slots):
   q, cache_k, cache_v = (jnp.asarray(rng.normal(size=shape), dtype)
                          for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
   block_k, block_v = (jnp.asarray(rng.normal(size=(b, t, k, d)), dtype) for _ in range(2))
-  start = jnp.asarray([5, 17, 0])
+  start = jnp.asarray([5, 17 if s < 600 else 700, 0])
   positions = start[:, None] + jnp.arange(t)[None]
   keys = layers.write_heads(cache_k, block_k, start)
   values = layers.write_heads(cache_v, block_v, start)
@@ -101,9 +101,9 @@ def test_cached_form_equals_the_whole_form_over_the_joined_keys(dtype, slots):
 
 def test_cut_lengths_cover_the_cache_in_steps_of_at_most_the_ratio():
   assert attention.cut_lengths(100) == (100,)
-  assert attention.cut_lengths(128) == (128,)
+  assert attention.cut_lengths(512) == (512,)
   cuts = attention.cut_lengths(8200)
-  assert cuts[0] == 128 and cuts[-1] == 8200 and list(cuts) == sorted(set(cuts))
+  assert cuts[0] == 512 and cuts[-1] == 8200 and list(cuts) == sorted(set(cuts))
   assert all(c % 64 == 0 for c in cuts[:-1])
   assert all(b / a <= 2 ** 0.5 + 64 / a for a, b in zip(cuts, cuts[1:]))
 
@@ -114,11 +114,11 @@ def test_limited_form_equals_the_masked_form_and_never_reads_past_a_limit(dtype,
   # Rows of length 0, 1, at capacity, and in between; causal verify-like limits (start + t + 1);
   # slots at or past each query's limit hold large finite garbage that must not change anything.
   rng = np.random.default_rng(groups)
-  b, t, s, k, d = 5, 3, 300, 2, 16          # S = 300: the cache is cut to 128/192/256/300
+  b, t, s, k, d = 5, 3, 1100, 2, 8        # S = 1100: the cache is cut to 512/768/1088/1100
   n = k * groups
   q = jnp.asarray(rng.normal(size=(b, t, n, d)), dtype)
   keys, values = (rng.normal(size=(b, k, s, d)) for _ in range(2))
-  for lengths in ([0, 1, s, 100, 129], [3, 7, 0, 1, 2], [s] * b):
+  for lengths in ([0, 1, s, 600, 900], [3, 7, 0, 1, 2], [s] * b):
     start = np.maximum(np.asarray(lengths) - t, 0)
     limits = np.minimum(start[:, None] + np.arange(1, t + 1)[None], np.asarray(lengths)[:, None])
     limits = jnp.asarray(limits, jnp.int32)
@@ -136,7 +136,7 @@ def test_limited_form_equals_the_masked_form_and_never_reads_past_a_limit(dtype,
 
 def test_limited_form_compiles_once_for_every_length():
   rng = np.random.default_rng(3)
-  b, t, s, n, k, d = 2, 2, 400, 4, 2, 8
+  b, t, s, n, k, d = 2, 2, 1200, 4, 2, 8
   q, keys, values = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                      for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
   traces = []
@@ -146,7 +146,7 @@ def test_limited_form_compiles_once_for_every_length():
     traces.append(1)
     return attention.attend_limited(q, keys, values, limits)
 
-  for length in (1, 130, 260, 400):
+  for length in (1, 600, 800, 1200):
     limits = jnp.full((b, t), length, jnp.int32)
     ref = attention.attend_xla(q, keys, values, jnp.arange(s)[None, None] < limits[:, :, None])
     np.testing.assert_allclose(call(q, keys, values, limits), ref, rtol=1e-5, atol=1e-6)

@@ -19,9 +19,9 @@ from tests.test_decoding import make_target
 
 def test_token_buckets_end_at_the_dense_verify_and_round_to_eight():
   assert packing.token_buckets(64, 8) == (64, 128, 192, 256, 384, 512)
-  assert packing.token_buckets(1, 8) == (1, 2, 3, 4, 6, 8)
-  assert packing.token_buckets(3, 4) == (3, 6, 9, 12)
+  assert packing.token_buckets(5, 8) == (5, 10, 15, 20, 30, 40)
   assert packing.token_buckets(16, 4)[-1] == 64
+  assert packing.token_buckets(1, 8) == (8,) and packing.token_buckets(4, 8) == (32,)  # few tokens
 
 
 def test_pack_lays_rows_out_one_after_the_other_with_padding_rows_past_the_tokens():
@@ -65,7 +65,7 @@ def _check_packed_against_dense(target, slots):
   @jax.jit
   def packed(counts, cache):
     calls.append(1)
-    return packing.packed_verify(target, tokens, positions, counts, cache)
+    return packing.packed_verify(target, tokens, positions, counts, cache, (4, 8, 12, 16))
 
   for counts in ([1, 4, 0, 2], [4, 4, 4, 4], [0, 0, 0, 1], [3, 1, 2, 0]):
     logits, features, new_cache = packed(jnp.asarray(counts, jnp.int32), cache)

@@ -131,9 +131,6 @@ def evaluate_schedules(args) -> int:
                  f"x {gamma + 1}: prefix/top_k admit nothing past it")
   notes += [f"{s.label} is the anticipating search: NOT lossless (shown for comparison)"
             for s in specs if not s.lossless]
-  notes.append("the verify forward keeps its static [B, γ + 1] shape, so a shorter verify length "
-               "saves no compute here (that needs a packed verify batch): tokens/s cannot show a "
-               "schedule's savings")
   try:
     rows = schedule_study.compare_schedules(
         target, draft, ids, specs, sps=sps, temperatures=temperatures, batch_size=batch_size,

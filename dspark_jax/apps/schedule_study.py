@@ -22,10 +22,10 @@ traces and the STS fit come from `dspark_jax.apps.calibration_study`; the figure
   given batch size can reach.
 * **Table.** `format_schedule_table` prints `ScheduleRow` values as markdown.
 
-The decoding loop's verify forward has the static shape [B, γ + 1] (`dspark_jax.decoding.rounds`):
-a shorter verify length commits fewer tokens without making the forward cheaper, so the measured
-tokens/s cannot show a schedule's savings; `verify_bound_tokens_per_second` gives the rate that a
-verify packed to the scheduled tokens would reach by the throughput table (draft cost left out).
+With a schedule the decoding loop's verify runs only the scheduled tokens, packed into a static
+token bucket (`dspark_jax.decoding.packing`), so the measured tokens/s show a schedule's savings;
+`verify_bound_tokens_per_second` is the cost model's prediction from the throughput table (draft
+cost left out).
 """
 
 from __future__ import annotations
@@ -365,8 +365,7 @@ def measure_sps(target, draft, *, max_batch: int, context: int, repeats: int = 3
 
 def verify_bound_tokens_per_second(row: ScheduleRow, sps) -> float:
   """B · τ · sps[round(B · verify_tokens)]: the tokens/s of `row`'s batch if each round cost one
-  verify pass packed to the scheduled tokens (the table's rate) and nothing else; NaN past the
-  table."""
+  packed verify of the scheduled tokens (the table's rate) and nothing else; NaN past the table."""
   sps = np.asarray(sps, np.float64)
   n = int(round(row.batch_size * row.verify_tokens))
   if not 1 <= n < sps.shape[0]:

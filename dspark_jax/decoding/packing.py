@@ -26,13 +26,18 @@ from dspark_jax.models import target as tm
 
 BUCKET_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
 """Default token buckets, as fractions of a dense verify's B·(γ + 1) tokens."""
+MIN_PACKED = 32
+"""A verify of at most this many tokens has one bucket, all of them: so few tokens cost what the
+weights' read costs, and a batched (``vmap``-ed) bucket choice would run every bucket."""
 
 
 def token_buckets(batch: int, width: int) -> tuple[int, ...]:
   """The static token counts a verify of `batch` rows of up to `width` tokens packs into,
-  ascending; the last is ``batch · width`` (every row whole). Each is rounded up to a multiple of
-  ``min(8, batch)``."""
+  ascending; the last is ``batch · width`` (every row whole), the only one up to `MIN_PACKED`
+  tokens. Each is rounded up to a multiple of ``min(8, batch)``."""
   full = batch * width
+  if full <= MIN_PACKED:
+    return (full,)
   step = min(8, batch)
   sizes = {min(full, step * math.ceil(full * f / step)) for f in BUCKET_FRACTIONS}
   return tuple(sorted(s for s in sizes if s >= 1))

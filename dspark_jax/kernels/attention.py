@@ -173,13 +173,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return attend_xla(q, k, v, mask)
 
 
-def cut_lengths(slots: int, smallest: int = 128, ratio: float = 2 ** 0.5,
+def cut_lengths(slots: int, smallest: int = 512, ratio: float = 2 ** 0.5,
                 multiple: int = 64) -> tuple[int, ...]:
   """The static cache lengths the XLA form cuts a cache of `slots` slots to, ascending.
 
   From `smallest`, each length about `ratio` times the one before, rounded up to a multiple of
   `multiple`; the last is `slots` itself. A call reads the smallest one that covers its longest
-  row, so the slots it reads are at most `ratio` times what it needs (or `smallest`).
+  row, so the slots it reads are at most `ratio` times what it needs (or `smallest`: below it a
+  cut saves less than its branches cost to compile).
   """
   lengths = []
   n = smallest

@@ -6,14 +6,15 @@ passes per second with n batch tokens.
 
 **What is timed.** The packed verify a scheduled decoding round runs (`decoding.packing`): n
 tokens of rows at positions ``context .. context + γ``, packed into a bucket of n slots, over a
-cache that ends at the block. With ``batch_size=B`` the sizes are the decoding loop's own token
-buckets for B rows (`packing.token_buckets`), each spread over the B rows as evenly as it goes, and
+cache sized as the decoding loops allocate it (`models.target.cache_slots`). With
+``batch_size=B`` the sizes are the decoding loop's own token buckets for B rows
+(`packing.token_buckets`), each spread over the B rows as evenly as it goes, and
 `SpsProfile.dense` is the step table the loop really runs: n tokens cost what their bucket costs.
-With explicit ``batch_tokens`` each n is packed alone, over ``ceil(n / (γ + 1))`` rows. Each sample runs ``steps`` forwards
-back to back inside one compiled `lax.fori_loop` (no host dispatch between them, as inside the
-decoding loop), after ``warmup`` untimed samples; the rate is ``steps / median(seconds)`` over
-``repeats`` samples. The cache contents do not change the work (attention is masked by position
-only), so it is left zero.
+With explicit ``batch_tokens`` each n is packed alone, over ``ceil(n / (γ + 1))`` rows. Each
+sample runs ``steps`` forwards back to back inside one compiled `lax.fori_loop` (no host dispatch
+between them, as inside the decoding loop), after ``warmup`` untimed samples; the rate is
+``steps / median(seconds)`` over ``repeats`` samples. The cache contents do not change the work
+(attention reads each row up to its position, whatever the slots hold), so it is left zero.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: i
   block = jnp.zeros((rows, width), jnp.int32)
   positions = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (rows, width))
   counts = jnp.asarray(_spread(tokens, rows, width))
-  cache = tm.init_cache(config, rows, context + width)
+  cache = tm.init_cache(config, rows, tm.cache_slots(context + width))  # as the loops allocate
 
   @jax.jit
   def run(state, cache):
