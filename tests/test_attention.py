@@ -167,3 +167,33 @@ def test_cache_attention_takes_the_ragged_kernel_on_gpus_where_it_applies():
     attention.choose_cached(q, k, "ragged", platform="cpu")
   # A whole-mask call (no cache) asked for "ragged" takes auto's choice.
   assert attention.choose(jnp.bfloat16, 128, "ragged", platform="gpu") == "cudnn"
+
+
+@pytest.mark.kernel
+def test_cache_attention_through_the_ragged_kernel_equals_the_xla_form(monkeypatch):
+  # The dispatch's plumbing around the kernel (layouts, the draft's softmax join through the
+  # kernel's log-sum-exp), with the kernel in Pallas' interpreter off the GPU.
+  import functools
+  from dspark_jax.kernels import ragged_attention
+  rng = np.random.default_rng(4)
+  b, t, s, n, k, d = 3, 4, 64, 4, 2, 16
+  q, cache_k, cache_v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+                         for shape in ((b, t, n, d), (b, k, s, d), (b, k, s, d)))
+  block_k, block_v = (jnp.asarray(rng.normal(size=(b, t, k, d)), jnp.float32) for _ in range(2))
+  prefix = jnp.asarray([5, 40, 0])
+  limits = prefix[:, None] + jnp.arange(1, t + 1)[None]
+  block_mask = jnp.ones((b, t, t), bool)
+  monkeypatch.setenv(attention.ENV_VAR, "xla")
+  refs = (attention.attend_limited(q, cache_k, cache_v, limits),
+          attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
+  monkeypatch.delenv(attention.ENV_VAR)
+  on_cpu = jax.default_backend() != "gpu"
+  if on_cpu:
+    monkeypatch.setattr(attention, "ragged_precondition", lambda q, k, platform=None: None)
+    monkeypatch.setattr(ragged_attention, "ragged_attention", functools.partial(
+        ragged_attention.ragged_attention, interpret=True))
+  assert attention.choose_cached(q, cache_k) == "ragged"
+  outs = (attention.attend_limited(q, cache_k, cache_v, limits),
+          attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
+  for out, ref in zip(outs, refs):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)

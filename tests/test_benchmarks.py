@@ -47,13 +47,13 @@ def test_decode_benchmark_prints_its_table(tmp_path, capsys):
   saved, header, rows = run_and_read_table(bench_decode, "bench_decode (", argv,
                                            tmp_path / "results.json", capsys)
   rounds = saved["results"]["rounds"]
-  assert list(rounds) == ["32/64/2"]   # context 32 in a cache of 32 + 2(γ + 1) slots, rounded to 64
-  assert rounds["32/64/2"]["errors"] == {}
-  assert set(rounds["32/64/2"]["seconds"]) == set(bench_decode.PARTS)
-  assert set(rounds["32/64/2"]["floors"]) == set(bench_decode.FLOORED)
+  assert list(rounds) == ["32/48/2"]   # context 32 in a cache of 32 + 2(γ + 1) slots
+  assert rounds["32/48/2"]["errors"] == {}
+  assert set(rounds["32/48/2"]["seconds"]) == set(bench_decode.PARTS)
+  assert set(rounds["32/48/2"]["floors"]) == set(bench_decode.FLOORED)
   assert saved["meta"]["matmul_tflops"] > 0
   assert saved["results"]["e2e"] == {}
-  assert header.split()[:3] == ["context", "slots", "B"] and rows[0][:3] == ["32", "64", "2"]
+  assert header.split()[:3] == ["context", "slots", "B"] and rows[0][:3] == ["32", "48", "2"]
   if HAS_HF:
     assert header.rstrip().endswith("HF static ms (× ours)")
     hf_ms, ratio = rows[0][-2:]

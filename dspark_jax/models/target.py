@@ -80,12 +80,16 @@ def qwen3_4b_shape(**overrides) -> TargetConfig:
 
 
 CACHE_MULTIPLE = 64
-"""Cache sizes the decoding loops allocate are multiples of this: the ragged attention kernel reads
-the cache in blocks of 64 slots (`kernels.ragged_attention`)."""
+"""On GPUs the decoding loops allocate caches in multiples of this: the ragged attention kernel
+reads the cache in blocks of 64 slots (`kernels.ragged_attention`)."""
 
 
-def cache_slots(needed: int) -> int:
-  """The cache size the decoding loops allocate for `needed` slots: rounded up to `CACHE_MULTIPLE`."""
+def cache_slots(needed: int, platform: str | None = None) -> int:
+  """The cache size the decoding loops allocate for `needed` slots: on a GPU (`platform`, default
+  JAX's default backend) rounded up to `CACHE_MULTIPLE`, where the ragged kernel reads it; elsewhere
+  exactly `needed` (the einsums would only read the padding)."""
+  if (platform or jax.default_backend()) != "gpu":
+    return needed
   return -(-needed // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
