@@ -173,15 +173,18 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return attend_xla(q, k, v, mask)
 
 
-def cut_lengths(slots: int, smallest: int = 512, ratio: float = 2 ** 0.5,
-                multiple: int = 64) -> tuple[int, ...]:
+def cut_lengths(slots: int, smallest: int = 128, ratio: float = 2 ** 0.5,
+                multiple: int = 64, least: int = 1024) -> tuple[int, ...]:
   """The static cache lengths the XLA form cuts a cache of `slots` slots to, ascending.
 
   From `smallest`, each length about `ratio` times the one before, rounded up to a multiple of
   `multiple`; the last is `slots` itself. A call reads the smallest one that covers its longest
-  row, so the slots it reads are at most `ratio` times what it needs (or `smallest`: below it a
-  cut saves less than its branches cost to compile).
+  row, so the slots it reads are at most `ratio` times what it needs (or `smallest`). A cache of
+  fewer than `least` slots is read whole: there the cut saves less than its branches cost to
+  compile.
   """
+  if slots < least:
+    return (slots,)
   lengths = []
   n = smallest
   while n < slots:
