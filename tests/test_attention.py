@@ -184,8 +184,9 @@ def test_cache_attention_through_the_ragged_kernel_equals_the_xla_form(monkeypat
   limits = prefix[:, None] + jnp.arange(1, t + 1)[None]
   block_mask = jnp.ones((b, t, t), bool)
   monkeypatch.setenv(attention.ENV_VAR, "xla")
-  refs = (attention.attend_limited(q, cache_k, cache_v, limits),
-          attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
+  with jax.default_matmul_precision("highest"):  # a GPU's XLA form would use TF32 by default
+    refs = (attention.attend_limited(q, cache_k, cache_v, limits),
+            attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
   monkeypatch.delenv(attention.ENV_VAR)
   on_cpu = jax.default_backend() != "gpu"
   if on_cpu:
@@ -193,7 +194,8 @@ def test_cache_attention_through_the_ragged_kernel_equals_the_xla_form(monkeypat
     monkeypatch.setattr(ragged_attention, "ragged_attention", functools.partial(
         ragged_attention.ragged_attention, interpret=True))
   assert attention.choose_cached(q, cache_k) == "ragged"
-  outs = (attention.attend_limited(q, cache_k, cache_v, limits),
-          attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
+  with jax.default_matmul_precision("highest"):  # the draft's block part is XLA's
+    outs = (attention.attend_limited(q, cache_k, cache_v, limits),
+            attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
   for out, ref in zip(outs, refs):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
