@@ -7,6 +7,9 @@ buckets (`token_buckets`), one compiled branch each (`lax.switch`), so the forwa
 work (projections, MLP, LM head) follows N and no N recompiles. Each packed token carries its row
 and position: it attends to its row's cache up to its own position (the row's earlier verify
 tokens included) and writes its keys/values at that position only (`TargetModel.packed`). The
+largest bucket, every row whole, is the dense forward itself (it writes every row's W slots; those
+past a row's count lie past its committed length, so later rounds overwrite them before they are
+read). The
 logits and target features come back in the dense [B, γ + 1] layout that verification and the
 draft's context read; slots past a row's count hold zeros, which verification never reads (a row's
 accepted run is capped at its verify length) and the context cache overwrites before it reads.
@@ -79,6 +82,11 @@ def packed_verify(target: tm.TargetModel, tokens: jax.Array, positions: jax.Arra
   counts = jnp.clip(counts.astype(jnp.int32), 0, width)
 
   def run(size, tokens, positions, counts, cache):
+    if size == batch * width:  # every row whole: the dense forward, with no packing overhead
+      logits, features, cache = target(tokens, positions, cache)
+      keep = jnp.arange(width)[None, :] < counts[:, None]
+      zero = lambda x: jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, 0)
+      return zero(logits), zero(features), cache
     rows, slots, _ = pack(counts, size)
     at = lambda x: x.at[rows, slots].get(mode="fill", fill_value=0)
     logits, features, cache = target.packed(at(tokens), rows, slots, at(positions), cache, width)
