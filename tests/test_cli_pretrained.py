@@ -101,13 +101,13 @@ def test_eval_reports_tau_acceptance_and_throughput(pair_dirs, tmp_path, capsys)
   # The shapes of the generate test above (batch 2, chat prompts of at most 64 tokens, greedy,
   # 8 new tokens): its compiled program serves here too.
   assert cli.main(["eval", "--target", target, "--draft", draft, "--dataset", DATASET,
-                   "--num-prompts", "2", "--batch-size", "2", "--max-new-tokens", "6",
+                   "--num-prompts", "2", "--concurrency", "2", "--max-new-tokens", "6",
                    "--temperature", "0", "--chat", "--out", str(tmp_path)]) == 0
   out = capsys.readouterr().out
-  assert "on " + DATASET + ": 2 prompts, batch size 2" in out
+  assert "on " + DATASET + ": 2 prompts, concurrency 2" in out
   assert "T = 0: τ = " in out and "tokens/s" in out and "[95 %: " in out
   result = json.load(open(tmp_path / "acceptance.json"))
-  assert result["prompts"] == 2 and result["batch_size"] == 2 and result["chat"] is True
+  assert result["prompts"] == 2 and result["concurrency"] == 2 and result["chat"] is True
   [row] = result["rows"]
   assert row["temperature"] == 0.0 and len(row["acceptance"]) == GAMMA
   lo, hi = row["tau_interval"]

@@ -2,6 +2,8 @@
 slot it lands in and whenever; the law through refills; no recompilation per prompt length; run
 statistics; bad input. Tiny f32 models on the CPU."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -134,3 +136,27 @@ def test_bad_queue_inputs_raise_clear_errors(pair, edit, match):
   args.update(edit)
   with pytest.raises(ValueError, match=match):
     dj.generate(**args)
+
+
+def test_eval_appends_each_prompt_and_resumes(pair, tmp_path):
+  # The eval's queue (`evaluation._decode_queue`) appends each finished prompt to a JSON-lines
+  # file; after an interruption (the last two records lost) a rerun decodes only the two missing
+  # prompts and pools the same counts as the uninterrupted run.
+  from tqdm.auto import tqdm
+
+  from dspark_jax.apps import evaluation
+  target, draft = pair
+  path = str(tmp_path / "results.jsonl")
+  run = lambda file: evaluation._decode_queue(target, PROMPTS[:4], 2, 1.0, 3, 8, [STOP],
+                                              tqdm(disable=True), draft, results=file, name="d")
+  whole = run(evaluation.ResultFile(path))
+  lines = open(path).read().splitlines()
+  assert sorted(json.loads(line)["prompt"] for line in lines) == [0, 1, 2, 3]
+  open(path, "w").write("\n".join(lines[:2]) + "\n{\"drafter\": \"d\", \"temp")  # a cut line
+  resumed = run(evaluation.ResultFile(path))
+  assert resumed.tokens == sum(json.loads(line)["tokens"].__len__() for line in lines[2:])
+  assert sorted(json.loads(line)["prompt"] for line in open(path).read().splitlines()[:2] +
+                open(path).read().splitlines()[3:]) == [0, 1, 2, 3]
+  np.testing.assert_array_equal(resumed.reached, whole.reached)
+  np.testing.assert_array_equal(resumed.accepted, whole.accepted)
+  assert resumed.tau == pytest.approx(whole.tau)
