@@ -160,3 +160,15 @@ def test_eval_appends_each_prompt_and_resumes(pair, tmp_path):
   np.testing.assert_array_equal(resumed.reached, whole.reached)
   np.testing.assert_array_equal(resumed.accepted, whole.accepted)
   assert resumed.tau == pytest.approx(whole.tau)
+
+
+def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch):
+  # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back
+  # naming the slots, the cache size per slot and what to lower.
+  def exhausted(*args):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
+
+  monkeypatch.setattr(decoding.host, "compiled", lambda *args, **kw: (exhausted, 0.0))
+  with pytest.raises(RuntimeError, match=r"max_batch_size=2 slots of \d+ cache positions each.*"
+                                         r"lower max_batch_size \(concurrency\)"):
+    _queue(pair, True, prompts=PROMPTS[:3])
