@@ -6,7 +6,8 @@ all-greedy batch runs the greedy-only variant; a batch with sampled rows runs th
 variant if the memory gate allows it, else the eager fallback); compiling each bucket's program
 ahead of time once per process (`_COMPILED`: batch, prompt length and ``max_new_tokens`` rounded up
 to powers of two, stop sequences to [B, S, L] powers of two, so calls in the same buckets never
-recompile; a schedule is part of the key by identity: reuse the object); and the `GenerateResult`.
+recompile; a schedule is part of the key by identity: reuse the object; `compiled`); and the
+`GenerateResult`. With ``max_batch_size`` it hands the prompts to the queue (`decoding.queue`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,10 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
                            stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                            progress=progress, on_finish=on_finish)
+  for name, value in (("max_seq_len", max_seq_len), ("progress", progress or None),
+                      ("on_finish", on_finish)):
+    if value is not None:
+      raise ValueError(f"{name}: only the queue-driven decode takes it (pass max_batch_size)")
   vocab = target.config.vocab_size
   if spec:
     if draft is None:

@@ -425,7 +425,7 @@ class Engine:
         if free.size:
           taken = np.array([queue.popleft() for _ in free])
           owner[free] = taken
-          k = min(host.bucket(taken.size), host.bucket(slots_n))
+          k = host.bucket(taken.size)
           width = min(host.bucket(int(lens[taken].max()), host.MIN_BUCKET), cache_len)
           index = np.concatenate([taken, np.full(k - taken.size, taken[0])])
           where = np.concatenate([free, np.full(k - taken.size, slots_n)]).astype(np.int32)
