@@ -19,7 +19,9 @@ Public API (each name documented in its module):
 * `draft_proposal` (decoding.draft_proposal): the draft block proposed after given tokens, as inside
   `generate`.
 * `generate`, `GenerateResult` (decoding): speculative and autoregressive decoding as compiled loops;
-  `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap.
+  `decode`, `DecodeOutput`: the same loop as a pure function, for the user's own jit and vmap;
+  `Engine`, `QueueResult`, `PromptResult` (decoding.queue): any number of prompts through S slots
+  refilled as rows finish (also ``generate(..., max_batch_size=S)``).
 * `schedules` (scheduling.schedules): verify-length schedules `Schedule(init, update)`: `fixed`,
   `threshold`, `prefix` (Algorithm 1), `top_k` (lagged budget); `load_sps`, `save_sps`.
 * `profile_sps` (scheduling.profile): the target's verify steps per second at each verify batch
@@ -34,7 +36,8 @@ Public API (each name documented in its module):
 * `dspark_jax.testing`: exact reference laws, chi-square, and a toy pair for distribution checks.
 """
 
-from dspark_jax.decoding import DecodeOutput, GenerateResult, decode, generate
+from dspark_jax.decoding import (DecodeOutput, Engine, GenerateResult, PromptResult, QueueResult,
+                                 decode, generate)
 from dspark_jax.draft.block import DraftBlock, sample_block, sample_block_eager
 from dspark_jax.decoding.draft_proposal import draft_proposal
 from dspark_jax.draft.heads import (ConfidenceHead, MarkovHead, confidence_head_from_arrays,
@@ -58,7 +61,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceptResult", "build_draft_sampler", "confidence_head_from_arrays", "ConfidenceHead",
-    "decode", "DecodeOutput", "DraftBlock", "DraftConfig", "DraftSampler", "DSparkDraft",
+    "decode", "DecodeOutput", "Engine", "PromptResult", "QueueResult", "DraftBlock",
+    "DraftConfig", "DraftSampler", "DSparkDraft",
     "FoldedSampling", "GateDecision", "generate", "GenerateResult", "LayerShape", "logits",
     "markov_head_from_arrays", "MarkovHead", "row_keys", "sample_block", "sample_block_eager",
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",

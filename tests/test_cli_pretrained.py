@@ -101,13 +101,13 @@ def test_eval_reports_tau_acceptance_and_throughput(pair_dirs, tmp_path, capsys)
   # The shapes of the generate test above (batch 2, chat prompts of at most 64 tokens, greedy,
   # 8 new tokens): its compiled program serves here too.
   assert cli.main(["eval", "--target", target, "--draft", draft, "--dataset", DATASET,
-                   "--num-prompts", "2", "--batch-size", "2", "--max-new-tokens", "6",
+                   "--num-prompts", "2", "--concurrency", "2", "--max-new-tokens", "6",
                    "--temperature", "0", "--chat", "--out", str(tmp_path)]) == 0
   out = capsys.readouterr().out
-  assert "on " + DATASET + ": 2 prompts, batch size 2" in out
+  assert "on " + DATASET + ": 2 prompts, concurrency 2" in out
   assert "T = 0: τ = " in out and "tokens/s" in out and "[95 %: " in out
   result = json.load(open(tmp_path / "acceptance.json"))
-  assert result["prompts"] == 2 and result["batch_size"] == 2 and result["chat"] is True
+  assert result["prompts"] == 2 and result["concurrency"] == 2 and result["chat"] is True
   [row] = result["rows"]
   assert row["temperature"] == 0.0 and len(row["acceptance"]) == GAMMA
   lo, hi = row["tau_interval"]
@@ -116,6 +116,19 @@ def test_eval_reports_tau_acceptance_and_throughput(pair_dirs, tmp_path, capsys)
   assert row["reached"][0] >= row["accepted"][0] and row["baseline_tokens_per_second"] is None
   assert all(r >= a for r, a in zip(row["reached"], row["accepted"]))
   assert (tmp_path / "acceptance.png").stat().st_size > 1000
+  # --out FILE.jsonl: each prompt appended as it finishes; a rerun finds both and decodes nothing.
+  results = tmp_path / "run.jsonl"
+  args = ["eval", "--target", target, "--draft", draft, "--dataset", DATASET, "--num-prompts", "2",
+          "--concurrency", "2", "--max-new-tokens", "6", "--temperature", "0", "--chat",
+          "--out", str(results), "--json"]
+  assert cli.main(args) == 0
+  records = [json.loads(line) for line in open(results)]
+  assert sorted(r["prompt"] for r in records) == [0, 1] and (tmp_path / "run.json").exists()
+  capsys.readouterr()
+  assert cli.main(args) == 0
+  again = json.loads(capsys.readouterr().out)
+  assert len(open(results).readlines()) == 2 and again["rows"][0]["tokens"] == 0
+  assert again["rows"][0]["tau"] == row["tau"]
 
 
 def test_pooling_adds_the_counts_of_batches():

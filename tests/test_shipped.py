@@ -87,7 +87,7 @@ def test_demo_runs_end_to_end(capsys):
 @pytest.mark.slow
 def test_eval_runs_end_to_end(tmp_path, capsys, monkeypatch):
   # One temperature (one decode program per drafter; the notebook and gpu_check run both), the
-  # two prompts one row at a time: each decoder (plain, DSpark, ablation) is called once per row.
+  # two prompts through one slot: each decoder (plain, DSpark, ablation) is called once, queued.
   from dspark_jax.apps import evaluation
   calls = []
   generate = evaluation.decoding.generate
@@ -96,10 +96,10 @@ def test_eval_runs_end_to_end(tmp_path, capsys, monkeypatch):
     return generate(target, draft, prompts, *args, **kwargs)
   monkeypatch.setattr(evaluation.decoding, "generate", spy)
   assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--temperatures", "1",
-                   "--batch-size", "1", "--out", str(tmp_path)]) == 0
-  assert sorted(calls) == [(False, 1)] * 4 + [(True, 1)] * 2
+                   "--concurrency", "1", "--out", str(tmp_path)]) == 0
+  assert sorted(calls) == [(False, 2)] * 2 + [(True, 2)]
   result = json.load(open(tmp_path / "acceptance.json"))
-  assert result["batch_size"] == 1 and result["prompts"] == 2
+  assert result["concurrency"] == 1 and result["prompts"] == 2
   assert {(r["drafter"], r["temperature"]) for r in result["rows"]} == {
       ("dspark", 1.0), ("parallel (ablation)", 1.0)}
   assert all(r["tau"] >= 1.0 for r in result["rows"])

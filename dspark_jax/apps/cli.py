@@ -10,12 +10,14 @@
   autoregressively; without ``--target`` it uses the shipped pair and its tokenizer.
 * ``dspark-jax eval``: without ``--target`` and ``--dataset``, the shipped pair's acceptance study,
   DSpark drafter vs parallel ablation at T = 0 and 1, with the plain decode's tokens/s beside them
-  (``--batch-size`` rows at a time; default all prompts in one batch). With ``--target DIR --draft DIR --dataset
+  (``--concurrency`` slots, refilled from the prompt queue as rows finish; default one per prompt). With ``--target DIR --draft DIR --dataset
   FILE.jsonl`` (DeepSpec's eval format; the first turn is the prompt; ``--chat`` applies the chat
   template), the pair's τ with its 95 % interval, per-position acceptance with Wilson intervals and
-  tokens/s at each ``--temperature`` (default 1, ``--max-new-tokens`` 2048, ``--batch-size`` 1: the
-  paper's Table 1 protocol). ``--dataset`` alone evaluates the shipped pair on it. Each writes a
-  table, a PNG plot and a JSON file (`dspark_jax.apps.evaluation`).
+  tokens/s at each ``--temperature`` (default 1, ``--max-new-tokens`` 2048, ``--concurrency`` 1: the
+  paper's Table 1 protocol; ``--batch-size`` is its deprecated alias). ``--dataset`` alone evaluates
+  the shipped pair on it. Each writes a table, a PNG plot and a JSON file
+  (`dspark_jax.apps.evaluation`); with ``--out FILE.jsonl`` each prompt's result is appended there
+  as it finishes and a rerun resumes from it (the plot and JSON beside it).
   With ``--schedule fixed,threshold:0.5,prefix,top_k[:lag]`` (either pair), the schedule study
   instead (`dspark_jax.apps.schedule_study`): per schedule and temperature, τ with its interval,
   verify tokens per round, acceptance rate (accepted / verified drafts), per-position acceptance
@@ -81,9 +83,13 @@ def _parser() -> argparse.ArgumentParser:
                         default=None, help="number of prompts (default: all)")
   evaluate.add_argument("--first-prompt", type=flags.nonnegative, default=0,
                         help="skip the first N prompts (e.g. those calibrate used)")
+  evaluate.add_argument("--concurrency", type=flags.positive, default=None,
+                        help="slots decoding at once, each taking the next prompt as its row "
+                             "finishes (default: all prompts for the shipped study; 1 with "
+                             "--dataset)")
   evaluate.add_argument("--batch-size", type=flags.positive, default=None,
-                        help="rows per decode (default: all prompts for the shipped study; 1 with "
-                             "--dataset; 8 with --schedule)")
+                        help="with --schedule: rows per static batch (default 8); otherwise a "
+                             "deprecated alias of --concurrency")
   evaluate.add_argument("--max-new-tokens", type=flags.positive, default=None,
                         help="default: 128 for the shipped study, 2048 for a dataset")
   evaluate.add_argument("--temperatures", "--temperature", dest="temperatures",
@@ -93,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--baseline", action="store_true",
                         help="with --dataset: also decode autoregressively for the plain tokens/s")
   evaluate.add_argument("--seed", type=flags.seed, default=0)
-  evaluate.add_argument("--out", default="dspark_eval", help="directory for the PNG and JSON")
+  evaluate.add_argument("--out", default="dspark_eval",
+                        help="directory for the PNG and JSON; or, with --dataset, FILE.jsonl: each "
+                             "prompt's result appended as it finishes (a rerun resumes, skipping "
+                             "the prompts there), the PNG and JSON beside it as FILE.png/.json")
   evaluate.add_argument("--schedule", type=flags.schedules, default=None,
                         help="compare verify schedules: fixed,threshold:T,prefix,top_k[:LAG]")
   evaluate.add_argument("--sps", default=None,
@@ -250,10 +259,22 @@ def evaluate(args) -> int:
 
   if args.schedule is not None:
     from dspark_jax.apps import schedule_commands
+    if args.concurrency is not None:
+      flags.fail("eval", "--concurrency", "not with --schedule (the schedule study decodes static "
+                                          "batches: --batch-size)")
     return schedule_commands.evaluate_schedules(args)
   for flag in ("sps", "calibration", "throughput_batches"):
     if getattr(args, flag) is not None:
       flags.fail("eval", "--" + flag.replace("_", "-"), "needs --schedule")
+  if args.batch_size is not None:
+    if args.concurrency is not None:
+      flags.fail("eval", "--batch-size", "a deprecated alias of --concurrency: pass one of them")
+    print("dspark-jax eval: --batch-size is deprecated without --schedule; use --concurrency",
+          file=sys.stderr)
+    args.concurrency = args.batch_size
+  results_file = args.out if args.out.endswith(".jsonl") else None
+  if results_file is not None and args.dataset is None:
+    flags.fail("eval", "--out", "a .jsonl results file needs --dataset")
   if args.target is None and args.dataset is None:
     import dataclasses
 
@@ -272,14 +293,14 @@ def evaluate(args) -> int:
     temperatures = args.temperatures or [0.0, 1.0]
     max_new_tokens = args.max_new_tokens or 128
     count = len(pair.prompts[:args.prompts] if args.prompts else pair.prompts)
-    batch_size = args.batch_size or count
+    concurrency = args.concurrency or count
     rows = evaluation.acceptance_study(pair, num_prompts=args.prompts,
                                        max_new_tokens=max_new_tokens,
-                                       temperatures=temperatures, batch_size=batch_size,
+                                       temperatures=temperatures, concurrency=concurrency,
                                        seed=args.seed, progress=not args.json)
-    about = {"first_prompt": args.first_prompt, "batch_size": batch_size}
+    about = {"first_prompt": args.first_prompt, "concurrency": concurrency}
     if not args.json:
-      print(f"shipped pair: {count} held-out prompts, batch size {batch_size}, "
+      print(f"shipped pair: {count} held-out prompts, concurrency {concurrency}, "
             f"max {max_new_tokens} new tokens")
   else:
     if args.dataset is None:
@@ -295,28 +316,34 @@ def evaluate(args) -> int:
     target, draft, tokenizer, name = flags.load_models(args, "eval", need_draft=True)
     temperatures = args.temperatures or [1.0]
     max_new_tokens = args.max_new_tokens or 2048
-    batch_size = args.batch_size or 1
+    concurrency = args.concurrency or 1
     try:
       rows = evaluation.evaluate_pair(
           target, draft, tokenizer, prompts, temperatures=temperatures,
-          max_new_tokens=max_new_tokens, batch_size=batch_size, chat=args.chat,
+          max_new_tokens=max_new_tokens, concurrency=concurrency, chat=args.chat,
           chat_kwargs=args.chat_kwargs, seed=args.seed, baseline=args.baseline,
           name=os.path.basename(os.path.normpath(args.draft)) if args.draft else "dspark",
-          progress=not args.json)
-    except ValueError as error:
+          progress=not args.json, results=results_file)
+    except (ValueError, RuntimeError) as error:  # RuntimeError: out of device memory
       raise SystemExit(f"dspark-jax eval: error: {error}") from None
     count = len(prompts)
     about = {"target": args.target, "draft": args.draft, "dataset": args.dataset,
-             "first_prompt": first, "batch_size": batch_size, "chat": args.chat,
-             "seed": args.seed}
+             "first_prompt": first, "concurrency": concurrency, "chat": args.chat,
+             "seed": args.seed, "results": results_file}
     if not args.json:
-      print(f"{name} on {args.dataset}: {count} prompts, batch size {batch_size}, "
+      print(f"{name} on {args.dataset}: {count} prompts, concurrency {concurrency}, "
             f"max {max_new_tokens} new tokens")
-  os.makedirs(args.out, exist_ok=True)
-  png = evaluation.plot_acceptance(rows, os.path.join(args.out, "acceptance.png"))
+  if results_file is None:
+    os.makedirs(args.out, exist_ok=True)
+    png_path = os.path.join(args.out, "acceptance.png")
+    json_path = os.path.join(args.out, "acceptance.json")
+  else:
+    stem = results_file[:-len(".jsonl")]
+    png_path, json_path = stem + ".png", stem + ".json"
+  png = evaluation.plot_acceptance(rows, png_path)
   document = {**about, "prompts": count, "max_new_tokens": max_new_tokens,
               "rows": [row.as_dict() for row in rows]}
-  with open(os.path.join(args.out, "acceptance.json"), "w") as f:
+  with open(json_path, "w") as f:
     json.dump(document, f, indent=2)
   if args.json:
     print(json.dumps(document, indent=2))
@@ -326,7 +353,7 @@ def evaluate(args) -> int:
     lo, hi = row.tau_interval
     print(f"T = {row.temperature:g}: τ = {row.tau:.2f} [95 %: {lo:.2f}, {hi:.2f}]; "
           f"{row.tokens_per_second:.1f} tokens/s")
-  print(f"plot: {png}; data: {os.path.join(args.out, 'acceptance.json')}")
+  print(f"plot: {png}; data: {json_path}")
   return 0
 
 

@@ -3,8 +3,9 @@ a DeepSpec evaluation dataset.
 
 This module owns the measurement the paper's Table 1 and Fig. 2 make. `evaluate_pair` runs it for a
 loaded target, drafter and tokenizer on prompts read by `read_eval_dataset` (DeepSpec's
-``eval_datasets/*.jsonl``: one ``{"turns": [...]}`` per line, the first turn is the prompt), in
-batches of a given size, at each temperature, and pools the counts of the batches (`pool`).
+``eval_datasets/*.jsonl``: one ``{"turns": [...]}`` per line, the first turn is the prompt), through a
+given number of slots (the queue-driven decode, `decoding.queue`), at each temperature, and pools
+the counts (`pool`); `ResultFile` appends each prompt's result as it finishes, and a rerun resumes.
 `acceptance_study` is the shipped pair's study: for each
 temperature, the held-out prompts are decoded speculatively with the DSpark drafter (sequential head)
 and with the ablation trained without it, and once autoregressively. It reports τ (mean tokens per
@@ -18,7 +19,7 @@ interval of accepted over reached drafts at that position, which treats the draf
 trials (rounds of one prompt are not quite: read it as a guide). Both come from the counts that
 `generate` returns, so results of several calls can be pooled.
 
-In the study each configuration is one `generate` call over all prompts (its compilation excluded
+In the study each configuration is one queue-driven `generate` call over all prompts (its compilation excluded
 from tokens/s); rows stop at the tokenizer's stop ids (the shipped pair: ``<|endoftext|>``) or after
 ``max_new_tokens``.
 """
@@ -112,25 +113,26 @@ def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
 
 def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = None,
                      max_new_tokens: int = 128, temperatures: Sequence[float] = (0.0, 1.0),
-                     batch_size: int | None = None, seed: int = 0,
+                     concurrency: int | None = None, seed: int = 0,
                      progress: bool = True) -> list[StudyRow]:
   """Runs the study on the first `num_prompts` held-out prompts (all by default).
 
   Each temperature decodes the prompts plainly (the baseline tokens/s) and with both drafters,
-  `batch_size` rows at a time (default: all prompts in one batch); prompt i has seed ``seed + i``.
+  through `concurrency` slots (`decoding.queue`; default: one per prompt); prompt i has seed
+  ``seed + i``.
   """
   from tqdm.auto import tqdm
 
   texts = pair.prompts[:num_prompts] if num_prompts else pair.prompts
   prompts = [pair.encode(t) for t in texts]
-  batches = _batches(len(prompts), len(prompts) if batch_size is None else batch_size)
+  concurrency = _check_concurrency(len(prompts) if concurrency is None else concurrency)
   drafters = {"dspark": pair.draft, "parallel (ablation)": pair.ablation}
   stop_ids = list(pair.tokenizer.stop_token_ids)
   rows = []
-  bar = tqdm(total=len(temperatures) * (len(drafters) + 1) * len(batches), desc="eval",
+  bar = tqdm(total=len(temperatures) * (len(drafters) + 1) * len(prompts), desc="eval",
              disable=not progress)
   for temperature in temperatures:
-    decode = functools.partial(_decode_batches, pair.target, prompts, batches, temperature, seed,
+    decode = functools.partial(_decode_queue, pair.target, prompts, concurrency, temperature, seed,
                                max_new_tokens, stop_ids, bar)
     plain = decode(None)
     for name, draft in drafters.items():
@@ -139,25 +141,87 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
   return rows
 
 
-def _batches(count: int, batch_size: int) -> list[range]:
-  """Consecutive batches of `batch_size` prompt indices (the last may be smaller)."""
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
-  return [range(i, min(i + batch_size, count)) for i in range(0, count, batch_size)]
+def _check_concurrency(concurrency) -> int:
+  if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+    raise ValueError(f"concurrency: must be an integer >= 1, got {concurrency!r}")
+  return concurrency
 
 
-def _decode_batches(target, prompts, batches, temperature, seed, max_new_tokens, stop_ids, bar,
-                    draft) -> "Pooled":
-  """Decodes `prompts` batch by batch (speculatively with `draft`, plainly if None), pooled."""
-  results = []
-  for rows_of in batches:
-    params = sp.SamplingParams(temperature=np.full(len(rows_of), float(temperature)),
-                               seed=np.asarray(rows_of) + seed)
-    results.append(decoding.generate(
-        target, draft, [prompts[i] for i in rows_of], params, jax.random.key(seed),
-        max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, spec=draft is not None))
-    bar.update(1)
-  return pool(results)
+def _decode_queue(target, prompts, concurrency, temperature, seed, max_new_tokens, stop_ids, bar,
+                  draft, *, results: "ResultFile | None" = None, name: str = "") -> "Pooled":
+  """Decodes `prompts` through `concurrency` slots (`decoding.queue`; speculatively with `draft`,
+  plainly if None), pooled. Prompt i has seed ``seed + i``, every prompt the key
+  ``jax.random.key(seed)``: its tokens do not depend on the concurrency. With `results`, prompts
+  already there are skipped (their counts pooled from the file) and each finished prompt is
+  appended as it finishes."""
+  done = {} if results is None else results.done(name, temperature)
+  todo = [i for i in range(len(prompts)) if i not in done]
+  bar.update(len(prompts) - len(todo))
+  parts = []
+  if todo:
+    params = sp.SamplingParams(temperature=np.full(len(todo), float(temperature)),
+                               seed=np.asarray(todo) + seed)
+
+    def finished(result):
+      bar.update(1)
+      if results is not None:
+        results.append(name, temperature, todo[result.index], result)
+
+    parts.append(pool([decoding.generate(
+        target, draft, [prompts[i] for i in todo], params, jax.random.key(seed),
+        max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, spec=draft is not None,
+        max_batch_size=min(concurrency, len(todo)), on_finish=finished)]))
+  if done:
+    records = list(done.values())
+    parts.append(Pooled(reached=np.sum([r["reached"] for r in records], axis=0),
+                        accepted=np.sum([r["accepted"] for r in records], axis=0),
+                        row_rounds=np.array([r["rounds"] for r in records]),
+                        row_accepted=np.array([r["accepted_drafts"] for r in records]),
+                        tokens=0, wall_seconds=0.0))
+  return Pooled(reached=np.sum([p.reached for p in parts], axis=0),
+                accepted=np.sum([p.accepted for p in parts], axis=0),
+                row_rounds=np.concatenate([p.row_rounds for p in parts]),
+                row_accepted=np.concatenate([p.row_accepted for p in parts]),
+                tokens=sum(p.tokens for p in parts),
+                wall_seconds=sum(p.wall_seconds for p in parts),
+                rounds=sum(p.rounds for p in parts))
+
+
+class ResultFile:
+  """A JSON-lines file of per-prompt results (`decoding.PromptResult.as_dict` plus ``drafter``,
+  ``temperature`` and ``prompt``, the prompt's index in the evaluated list), appended as prompts
+  finish; a run over the same file skips the prompts it already holds."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.records: list[dict] = []
+    self.cut = False  # the file ends inside a line (an interrupted write): start a new one
+    try:
+      with open(path, encoding="utf-8") as f:
+        for line in f:
+          self.cut = not line.endswith("\n")
+          if line.strip():
+            try:
+              self.records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by an interruption: decoded again
+              continue
+    except FileNotFoundError:
+      pass
+    except (OSError, UnicodeDecodeError) as error:
+      raise ValueError(f"{path}: cannot read the results file ({error})") from None
+
+  def done(self, name: str, temperature: float) -> dict[int, dict]:
+    """The records of `name` at `temperature`, by prompt index."""
+    return {r["prompt"]: r for r in self.records
+            if r.get("drafter") == name and r.get("temperature") == float(temperature)}
+
+  def append(self, name: str, temperature: float, prompt: int, result) -> None:
+    record = {"drafter": name, "temperature": float(temperature), "prompt": int(prompt),
+              **result.as_dict()}
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(("\n" if self.cut else "") + json.dumps(record) + "\n")
+    self.cut = False
+    self.records.append(record)
 
 
 def _study_row(name: str, temperature: float, pooled: "Pooled", plain: float) -> StudyRow:
@@ -243,32 +307,37 @@ def pool(results: Sequence[decoding.GenerateResult]) -> Pooled:
 
 def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
                   temperatures: Sequence[float] = (1.0,), max_new_tokens: int = 2048,
-                  batch_size: int = 1, chat: bool = False,
+                  concurrency: int = 1, chat: bool = False,
                   chat_kwargs: Mapping[str, Any] | None = None, seed: int = 0,
                   baseline: bool = False, name: str = "draft",
-                  progress: bool = True) -> list[StudyRow]:
+                  progress: bool = True, results: str | None = None) -> list[StudyRow]:
   """τ, per-position acceptance and tokens/s of `draft` on `prompts`, one `StudyRow` per temperature.
 
-  The prompts are decoded in order, `batch_size` at a time (the last batch may be smaller); prompt i
-  has seed ``seed + i``, every batch the key ``jax.random.key(seed)``; rows stop at the tokenizer's
-  stop ids or after `max_new_tokens`. With ``chat=True`` each prompt is one user message rendered by
-  the chat template with `chat_kwargs` (DeepSpec's evaluator passes ``enable_thinking=False``).
-  `baseline` also decodes autoregressively for the plain tokens/s (NaN otherwise).
+  The prompts are decoded through `concurrency` slots, each taking the next prompt as its row
+  finishes (`decoding.queue`); prompt i has seed ``seed + i``, every prompt the key
+  ``jax.random.key(seed)`` (so its tokens do not depend on the concurrency); rows stop at the
+  tokenizer's stop ids or after `max_new_tokens`. With ``chat=True`` each prompt is one user message
+  rendered by the chat template with `chat_kwargs` (DeepSpec's evaluator passes
+  ``enable_thinking=False``). `baseline` also decodes autoregressively for the plain tokens/s (NaN
+  otherwise). `results`: a JSON-lines file each finished prompt is appended to (`ResultFile`); a
+  rerun skips the prompts it holds and pools their counts from it (tokens/s then covers the prompts
+  decoded in this run only).
   """
   from tqdm.auto import tqdm
 
   from dspark_jax.text import generation
 
+  concurrency = _check_concurrency(concurrency)
   ids = generation.encode_prompts(tokenizer, list(prompts), chat=chat, chat_kwargs=chat_kwargs)
-  batches = _batches(len(ids), batch_size)
   stop_ids = [i for i in tokenizer.stop_token_ids if i < target.config.vocab_size]
+  file = None if results is None else ResultFile(results)
   rows = []
-  bar = tqdm(total=len(temperatures) * len(batches) * (2 if baseline else 1), desc="eval",
+  bar = tqdm(total=len(temperatures) * len(ids) * (2 if baseline else 1), desc="eval",
              disable=not progress)
   for temperature in temperatures:
-    decode = functools.partial(_decode_batches, target, ids, batches, temperature, seed,
+    decode = functools.partial(_decode_queue, target, ids, concurrency, temperature, seed,
                                max_new_tokens, stop_ids, bar)
-    pooled = decode(draft)
+    pooled = decode(draft, results=file, name=name)
     plain = decode(None).tokens_per_second if baseline else math.nan
     rows.append(_study_row(name, temperature, pooled, plain))
   bar.close()

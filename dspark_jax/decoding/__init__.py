@@ -10,6 +10,8 @@ loop as a pure function of arrays). One module per job:
 * `host`: `generate`, `GenerateResult`, input checks, padding buckets, routing and the compile
   cache.
 * `stops`: stop sequences: the host check (`stop_sequence_array`), the in-loop match, finish codes.
+* `queue`: the queue-driven decode (continuous batching): `Engine`, `generate(...,
+  max_batch_size=S)`, `QueueResult`, `PromptResult`; S slots refilled from a prompt queue.
 * `draft_proposal`: the block a draft proposes after given tokens, by the same pieces as a round.
 
 * **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
@@ -43,9 +45,11 @@ from dspark_jax.decoding.stops import (FINISH_LENGTH, FINISH_REASONS, FINISH_STO
 from dspark_jax.decoding.host import (_COMPILED, MIN_BUCKET, GenerateResult, _check_budgets,
                                       _choose_path, _prepare_prompts, bucket, check_pair,
                                       compiled_programs, generate)
-from dspark_jax.decoding import host, loop, rounds, stops
+from dspark_jax.decoding.queue import Engine, PromptResult, QueueResult
+from dspark_jax.decoding import host, loop, queue, rounds, stops
 
-__all__ = ["DecodeOutput", "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP_SEQUENCE",
+__all__ = ["DecodeOutput", "Engine", "PromptResult", "QueueResult", "FINISH_LENGTH",
+           "FINISH_REASONS", "FINISH_STOP_SEQUENCE",
            "FINISH_STOP_TOKEN", "GenerateResult", "MIN_BUCKET", "PATH_AUTOREGRESSIVE", "RoundTrace",
            "bucket", "check_pair", "check_schedule", "compiled_programs", "decode", "generate",
            "stop_sequence_array"]

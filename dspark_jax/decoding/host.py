@@ -6,7 +6,8 @@ all-greedy batch runs the greedy-only variant; a batch with sampled rows runs th
 variant if the memory gate allows it, else the eager fallback); compiling each bucket's program
 ahead of time once per process (`_COMPILED`: batch, prompt length and ``max_new_tokens`` rounded up
 to powers of two, stop sequences to [B, S, L] powers of two, so calls in the same buckets never
-recompile; a schedule is part of the key by identity: reuse the object); and the `GenerateResult`.
+recompile; a schedule is part of the key by identity: reuse the object; `compiled`); and the
+`GenerateResult`. With ``max_batch_size`` it hands the prompts to the queue (`decoding.queue`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ _COMPILED: dict[tuple, Any] = {}
 """Compiled decode programs of this process, keyed by everything that fixes their shape."""
 
 
+def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
+  """`fn` compiled ahead of time for `args`' shapes and dtypes and the `statics` keywords, from
+  `_COMPILED` when it holds that program; and the seconds spent compiling it here (0 when cached).
+  `donate`: positions of arguments whose buffers the program may reuse for its outputs."""
+  shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), args)
+  signature = (getattr(fn, "__qualname__", repr(fn)), str(jax.tree_util.tree_structure(shapes)),
+               str(jax.tree.leaves(shapes)), tuple(statics.items()), donate)
+  program = _COMPILED.get(signature)
+  if program is not None:
+    return program, 0.0
+  start = time.perf_counter()
+  program = jax.jit(fn, static_argnames=tuple(statics), donate_argnums=donate).lower(
+      *args, **statics).compile()
+  _COMPILED[signature] = program
+  return program, time.perf_counter() - start
+
+
 def compiled_programs() -> int:
   """How many decode programs this process has compiled (for compile guards)."""
   return len(_COMPILED)
@@ -185,7 +203,9 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              mode: memory_gate.FoldedSampling | str | None = None, memory_stats=None,
              headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
              store_logits: bool = True, backend: str | None = None, config=None,
-             stop_sequences=(), schedule=None, trace: bool = False) -> GenerateResult:
+             stop_sequences=(), schedule=None, trace: bool = False,
+             max_batch_size: int | None = None, max_seq_len: int | None = None,
+             progress: bool = False, on_finish=None) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -214,9 +234,16 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       forward keeps its [B, γ + 1] shape (`rounds`): fewer tokens verified, not a cheaper forward.
     trace: record per-round confidence, verify lengths, accepted runs and activity
       (`GenerateResult.trace`).
+    max_batch_size: S: decode any number of prompts through S slots, each taking the next prompt
+      as its row finishes (`queue.Engine`); returns a `queue.QueueResult`. None (default): one
+      fixed batch of all prompts.
+    max_seq_len, progress, on_finish: with `max_batch_size` only: tokens a slot holds (None: sized
+      from the prompts and budgets), a tqdm bar, a callback given each `queue.PromptResult` as its
+      prompt finishes (`queue.Engine`).
 
   Returns:
-    A `GenerateResult`; ``result.backend`` says which backend drafted and why.
+    A `GenerateResult` (with `max_batch_size`: a `queue.QueueResult`, the same array fields plus
+    per-prompt results and occupancy); ``result.backend`` says which backend drafted and why.
 
   Raises:
     ValueError: bad prompts (naming the row and token), a draft that does not fit the target, a
@@ -224,6 +251,22 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       ``stop_sequences`` and the element), a schedule that reads the confidence with a draft that
       has no confidence head, or a schedule or trace with ``spec=False``.
   """
+  if max_batch_size is not None:
+    if trace:
+      raise ValueError("trace: not recorded by the queue-driven decode (max_batch_size); decode a "
+                       "fixed batch to trace rounds")
+    from dspark_jax.decoding import queue  # the queue builds on this module
+    engine = queue.Engine(target, draft, max_batch_size, max_seq_len=max_seq_len, spec=spec,
+                          schedule=schedule, mode=mode, memory_stats=memory_stats,
+                          headroom_bytes=headroom_bytes, store_logits=store_logits,
+                          backend=backend, config=config)
+    return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
+                           stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
+                           progress=progress, on_finish=on_finish)
+  for name, value in (("max_seq_len", max_seq_len), ("progress", progress or None),
+                      ("on_finish", on_finish)):
+    if value is not None:
+      raise ValueError(f"{name}: only the queue-driven decode takes it (pass max_batch_size)")
   vocab = target.config.vocab_size
   if spec:
     if draft is None:
@@ -283,17 +326,9 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
                    out_len=out_len, store_logits=store_logits, backend=choice,
                    schedule=schedule, trace=trace)
-    shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))),
-                          (target_state, draft_state, args))
-    signature = (str(jax.tree_util.tree_structure(shapes)), str(jax.tree.leaves(shapes)),
-                 tuple(statics.items()))
-    program = _COMPILED.get(signature)
-    if program is None:
-      program = jax.jit(loop._decode_program, static_argnames=tuple(statics)).lower(
-          target_state, draft_state, *args, **statics).compile()
-      _COMPILED[signature] = program
-      compile_seconds = time.perf_counter() - start
-      start = time.perf_counter()
+    program, compile_seconds = compiled(loop._decode_program, (target_state, draft_state, *args),
+                                        statics)
+    start += compile_seconds
     out = program(target_state, draft_state, *args)
   out = jax.device_get(out)
   wall = time.perf_counter() - start

@@ -114,6 +114,18 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   state = _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len,
                    out_len, stop_seqs, schedule, trace)
+  body = iteration(target, draft, path, max_new, rows, stop_ids, stop_seqs, key,
+                   store_logits=store_logits, backend=backend, schedule=schedule)
+  limit = out_len  # every iteration commits at least one token per active row
+  state = jax.lax.while_loop(lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit), body, state)
+  return _as_output(_finish(state, out_len), 0 if draft is None else draft.config.gamma)
+
+
+def iteration(target, draft, path, max_new, rows, stop_ids, stop_seqs, key, *, store_logits=True,
+              backend=None, schedule=None):
+  """One loop iteration as ``state -> state`` (a speculative round, or an autoregressive step on
+  `PATH_AUTOREGRESSIVE`) for the per-row inputs given; the carry keeps its dtypes (under x64 some
+  sums and index arithmetic would widen them). Call it inside the program that runs the loop."""
   if path == PATH_AUTOREGRESSIVE:
     step = functools.partial(_autoregressive_step, target, stop_seqs=stop_seqs)
   else:
@@ -123,12 +135,8 @@ def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, row
                              greedy_only=path == proposal.PATH_FOLDED_GREEDY,
                              store_logits=store_logits, head=head, backend=backend,
                              stop_seqs=stop_seqs, schedule=schedule)
-  limit = out_len  # every iteration commits at least one token per active row
-  # The carry keeps its dtypes (under x64 some sums and index arithmetic would widen them).
-  body = lambda s: jax.tree.map(lambda new, old: new.astype(old.dtype),
+  return lambda s: jax.tree.map(lambda new, old: new.astype(old.dtype),
                                 step(s, max_new, rows, stop_ids, key), s)
-  state = jax.lax.while_loop(lambda s: jnp.any(~s["done"]) & (s["rounds"] < limit), body, state)
-  return _as_output(_finish(state, out_len), 0 if draft is None else draft.config.gamma)
 
 
 # ---- schedules ------------------------------------------------------------------------------------

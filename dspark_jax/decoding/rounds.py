@@ -25,7 +25,8 @@ state, the draft key is the base key (noise by position only, as without a sched
 
 **Counts.** ``reached[k]``/``accepted[k]`` count (row, round) pairs whose outcome for draft k + 1 was
 decided inside the accepted run (so k + 1 < verify length) and reached it, and of those, accepted it;
-``row_verified`` sums the verify lengths of each row's active rounds. With ``trace`` the per-round
+``row_verified`` sums the verify lengths of each row's active rounds. A state that carries
+``row_reached``/``row_hits`` ([B, γ] int32, the queue's) gets the same two counts per row. With ``trace`` the per-round
 confidence, verify lengths, accepted run and activity are written to fixed-size buffers indexed by
 the round (`_record`).
 
@@ -235,6 +236,9 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
       accepted=state["accepted"] + accepted.sum(0, dtype=jnp.int32),
       row_rounds=state["row_rounds"] + active,
       row_accepted=state["row_accepted"] + jnp.where(active, result.accept_len, 0))
+  if "row_reached" in state:  # per-row acceptance counts (the queue's per-prompt statistics)
+    new["row_reached"] = state["row_reached"] + reached
+    new["row_hits"] = state["row_hits"] + accepted
   if schedule is not None:
     new["schedule"] = schedule_state
     new["row_verified"] = state["row_verified"] + jnp.where(active, lens, 0)

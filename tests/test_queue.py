@@ -1,0 +1,175 @@
+"""The queue-driven decode (`decoding.queue`): each prompt's tokens equal decoding it alone, whichever
+slot it lands in and whenever; the law through refills; no recompilation per prompt length; run
+statistics; bad input. Tiny f32 models on the CPU."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import dspark_jax as dj
+from dspark_jax import decoding
+from dspark_jax.testing import law_checks
+from tests import stats
+from tests.test_decoding import _exact_first_three, make_draft, make_target
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [3], [2, 2, 2, 2, 2, 2, 2], [7, 1]]
+TEMPERATURES = [0.0, 1.0, 0.7, 0.0, 1.3, 1.0]
+SEEDS = [3, 4, 5, 6, 7, 8]
+BUDGETS = [7, 3, 8, 1, 5, 6]   # rows finish at different rounds (and on the stop token)
+STOP = 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = make_target()
+  return target, make_draft(target, 3, "vanilla")
+
+
+def _queue(pair, spec, prompts=PROMPTS, **kw):
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES[:len(prompts)], seed=SEEDS[:len(prompts)])
+  return dj.generate(target, draft if spec else None, prompts, params, jax.random.key(5),
+                     max_new_tokens=BUDGETS[:len(prompts)], stop_token_ids=[STOP], spec=spec,
+                     max_batch_size=2, **kw)
+
+
+def _alone(pair, spec, i):
+  target, draft = pair
+  params = dj.SamplingParams(temperature=[TEMPERATURES[i]], seed=[SEEDS[i]])
+  return dj.generate(target, draft if spec else None, [PROMPTS[i]], params, jax.random.key(5),
+                     max_new_tokens=BUDGETS[i], stop_token_ids=[STOP], spec=spec)
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
+  # 6 prompts (greedy and sampled rows, budgets 1..8, a stop token) through 2 slots: every prompt's
+  # tokens, finish reason and counts equal the same prompts decoded as one fixed batch, whose rows
+  # equal each prompt decoded alone (tests/test_decoding.py; every prompt alone:
+  # `test_each_prompt_decodes_as_alone`).
+  finished = []
+  result = _queue(pair, spec, on_finish=lambda r: finished.append(r.index))
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  fixed = dj.generate(target, draft if spec else None, PROMPTS, params, jax.random.key(5),
+                      max_new_tokens=BUDGETS, stop_token_ids=[STOP], spec=spec)
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  np.testing.assert_array_equal(result.lengths, fixed.lengths)
+  assert result.finish_reason == fixed.finish_reason
+  assert sorted(finished) == list(range(len(PROMPTS))) and finished != sorted(finished)
+  assert {r.slot for r in result.results} == {0, 1}
+  np.testing.assert_array_equal(result.row_rounds, fixed.row_rounds)
+  np.testing.assert_array_equal(result.row_accepted, fixed.row_accepted)
+  np.testing.assert_array_equal(result.reached, fixed.reached)
+  np.testing.assert_array_equal(result.accepted, fixed.accepted)
+  assert result.tau == pytest.approx(fixed.tau)
+  assert 0 < result.occupancy <= 1 and result.slot_rounds == 2 * result.rounds
+  assert result.busy_slot_rounds >= result.row_rounds.sum()
+  for r in result.results:
+    assert r.ttft_seconds >= 0 and r.seconds >= 0 and r.tokens.size == result.lengths[r.index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [True, False])
+def test_each_prompt_decodes_as_alone(pair, spec):
+  result = _queue(pair, spec)
+  for i in range(len(PROMPTS)):
+    alone = _alone(pair, spec, i)
+    np.testing.assert_array_equal(result.results[i].tokens, alone.tokens[0, :alone.lengths[0]])
+    assert result.results[i].finish_reason == alone.finish_reason[0]
+    if spec:
+      assert result.results[i].rounds == alone.row_rounds[0]
+      np.testing.assert_array_equal(result.results[i].reached, alone.reached)
+
+
+def test_refills_do_not_recompile_per_prompt_length(pair):
+  # Three prompts through two slots (a refill of 2, then of 1), then three others of other lengths,
+  # budgets and parameters in the same buckets (lengths <= 8): nothing compiles the second time.
+  _queue(pair, True, prompts=PROMPTS[:3])
+  programs = decoding.compiled_programs()
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration")
+      else None)
+  try:
+    result = _queue(pair, True, prompts=[[5, 4, 3, 2, 1, 0, 9], [8], [2, 3, 4, 5]])
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [] and decoding.compiled_programs() == programs
+  assert result.compile_seconds == 0.0
+
+
+def test_law_through_refills():
+  # N = 1,200 sampled prompts (T = 1, one prompt, distinct seeds) through 4 slots refilled two at a
+  # time, budgets alternating 2 and 9 tokens so short rows are replaced while long ones decode;
+  # V = 8, γ = 3. Statistic: Pearson chi-square of the first two generated tokens (64 outcomes)
+  # against the target's exact law; threshold p >= 1e-3. Power: the law at T = 0.6 is rejected at
+  # p < 1e-6.
+  target = make_target(vocab=8, sharpness=6.0, seed=3)
+  draft = make_draft(target, 3, "vanilla", copy_bias=2.0, seed=4)
+  n, prompt = 1200, [1, 5, 2]
+  params = dj.SamplingParams(temperature=np.ones(n), seed=np.arange(n))
+  engine = dj.Engine(target, draft, max_batch_size=4, refill_at=2)
+  result = engine.generate([prompt] * n, params, jax.random.key(11),
+                           max_new_tokens=np.where(np.arange(n) % 2, 9, 2))
+  assert result.path == "folded-sampling" and result.rounds > n // 4
+  counts = law_checks.outcome_counts(result.tokens[:, :2], 8)[:8, :8]
+  stats.assert_law(counts, _exact_first_three(target, prompt, 1.0).sum(2),
+                   what="queue, first two tokens")
+  stats.assert_rejects(counts, _exact_first_three(target, prompt, 0.6).sum(2),
+                       what="wrong temperature")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(prompts=[]), "prompts: the queue is empty"),
+    (dict(max_batch_size=0), "max_batch_size: must be an integer >= 1, got 0"),
+    (dict(max_seq_len=8), "prompts: prompt 1 has 5 tokens and max_new_tokens 4, 9 in all"),
+    (dict(prompts=[[1], [2, 12]]), "prompts: row 1 token 1 is 12"),
+    (dict(trace=True), "trace: not recorded"),
+    (dict(max_batch_size=None, on_finish=print), "on_finish: only the queue-driven decode"),
+])
+def test_bad_queue_inputs_raise_clear_errors(pair, edit, match):
+  target, draft = pair
+  args = dict(target=target, draft=draft, prompts=[[1, 2], [1, 2, 3, 4, 5]],
+              params=dj.SamplingParams(temperature=0.0, batch_size=2), key=jax.random.key(0),
+              max_new_tokens=4, max_batch_size=1)
+  args.update(edit)
+  with pytest.raises(ValueError, match=match):
+    dj.generate(**args)
+
+
+def test_eval_appends_each_prompt_and_resumes(pair, tmp_path):
+  # The eval's queue (`evaluation._decode_queue`) appends each finished prompt to a JSON-lines
+  # file; after an interruption (the last two records lost) a rerun decodes only the two missing
+  # prompts and pools the same counts as the uninterrupted run.
+  from tqdm.auto import tqdm
+
+  from dspark_jax.apps import evaluation
+  target, draft = pair
+  path = str(tmp_path / "results.jsonl")
+  run = lambda file: evaluation._decode_queue(target, PROMPTS[:4], 2, 1.0, 3, 8, [STOP],
+                                              tqdm(disable=True), draft, results=file, name="d")
+  whole = run(evaluation.ResultFile(path))
+  lines = open(path).read().splitlines()
+  assert sorted(json.loads(line)["prompt"] for line in lines) == [0, 1, 2, 3]
+  open(path, "w").write("\n".join(lines[:2]) + "\n{\"drafter\": \"d\", \"temp")  # a cut line
+  resumed = run(evaluation.ResultFile(path))
+  assert resumed.tokens == sum(json.loads(line)["tokens"].__len__() for line in lines[2:])
+  assert sorted(json.loads(line)["prompt"] for line in open(path).read().splitlines()[:2] +
+                open(path).read().splitlines()[3:]) == [0, 1, 2, 3]
+  np.testing.assert_array_equal(resumed.reached, whole.reached)
+  np.testing.assert_array_equal(resumed.accepted, whole.accepted)
+  assert resumed.tau == pytest.approx(whole.tau)
+
+
+def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch):
+  # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back
+  # naming the slots, the cache size per slot and what to lower.
+  def exhausted(*args):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
+
+  monkeypatch.setattr(decoding.host, "compiled", lambda *args, **kw: (exhausted, 0.0))
+  with pytest.raises(RuntimeError, match=r"max_batch_size=2 slots of \d+ cache positions each.*"
+                                         r"lower max_batch_size \(concurrency\)"):
+    _queue(pair, True, prompts=PROMPTS[:3])
