@@ -13,10 +13,11 @@ This module owns the layout rules and nothing that moves data (`placement` and `
   (norms, the draft's ``fc``, ``w1``, the gated / rnn matrices, the confidence head) is replicated;
 * `check_divisible`: ValueError naming the mesh axis, its size and the dimension it does not
   divide (query heads, KV heads, SwiGLU width, vocabulary);
-* `partitionable_mulhi`: a workaround, applied when a `Plan` spans several devices: jaxlib lowers
-  ``lax.mulhi`` (which the verifier's Philox noise uses) to an op that XLA's SPMD pipeline cannot
-  convert back (jax 0.10: "Unable to convert MHLO to StableHLO"), so it is lowered as JAX's own
-  widening multiply instead: the same integers;
+* `partitionable_mulhi`: a workaround, applied when this module is imported (a lowering cached
+  before a sharded program would keep the bad form): jaxlib lowers ``lax.mulhi`` (which the
+  verifier's Philox noise uses) to an op that XLA's SPMD pipeline cannot convert back when a
+  program spans several devices (jax 0.10: "Unable to convert MHLO to StableHLO"), so it is
+  lowered as JAX's own widening multiply instead: the same integers, in every program;
 * `constrain_cache`: a head-major [B, K, S, D] KV cache sharded on its KV-head axis (and on the
   batch axis over ``dp`` where the batch divides), applied where the models write their caches.
 
@@ -42,7 +43,9 @@ class Plan:
   """A mesh and how the models use its axes. Static and hashable (models carry it).
 
   Attributes:
-    mesh: the device mesh. tp: the axis the weights, heads and vocabulary are split over.
+    mesh: the device mesh; its axes are made Auto (XLA's partitioner places what the layout leaves
+      open; a ``jax.make_mesh`` default of Explicit axes would make every reshape of a split
+      axis name its output sharding). tp: the axis the weights, heads and vocabulary are split over.
     dp: None, or the axis of data-parallel replicas (the batch is split over it).
   """
 
@@ -58,9 +61,10 @@ class Plan:
         raise ValueError(f"{field}: the mesh has no axis {name!r} (axes: {self.mesh.axis_names})")
     if self.dp is not None and self.dp == self.tp:
       raise ValueError(f"dp: must differ from tp, both are {self.tp!r}")
-
-    if self.mesh.devices.size > 1:
-      partitionable_mulhi()
+    auto = (jax.sharding.AxisType.Auto,) * len(self.mesh.axis_names)
+    if tuple(self.mesh.axis_types) != auto:
+      object.__setattr__(self, "mesh", Mesh(self.mesh.devices, self.mesh.axis_names,
+                                            axis_types=auto))
 
   @property
   def tp_size(self) -> int:
@@ -91,6 +95,7 @@ def partitionable_mulhi() -> None:
 
 
 _MULHI_PATCHED = False
+partitionable_mulhi()
 
 
 def param_spec(name: str, plan: Plan) -> P:
