@@ -42,6 +42,8 @@ Run as a script, it lets JAX take 92 % of the GPU's memory (``XLA_PYTHON_CLIENT_
 unless set) instead of JAX's default 75 %: B = 128 at context 4096 needs about 100 GB.
 
   python -m benchmarks.bench_decode --small          # CPU smoke check (tiny models)
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.bench_decode --small --tp 2
+  python -m benchmarks.bench_decode --shape 32b --tp 2 --batches 1 --contexts 1024   # GPUs
   python -m benchmarks.bench_decode --hf             # GPU: the default grid, with transformers
   python -m benchmarks.bench_decode --contexts 1024 --batches 16 --e2e-batch 16 --json out.json
   python -m benchmarks.bench_decode --parts "autoregressive step,target verify,full round"
@@ -58,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +77,8 @@ from dspark_jax.kernels import pallas_block
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import layout
+from dspark_jax.parallel import placement
 
 TAUS = (1.0, 2.0, 3.64, 6.11)  # 3.64 / 6.11: the paper's MT-Bench / GSM8K τ for Qwen3-4B
 LOOP = 10
@@ -115,6 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--hf", action="store_true",
                       help="also time transformers' decode step on the same shapes "
                       "(benchmarks.bench_hf, in a child process run first)")
+  parser.add_argument("--tp", type=int, default=1,
+                      help="tensor parallelism: a mesh of this many devices (dspark_jax.shard's "
+                      "layout; weights built straight into shards); floors at the aggregate "
+                      "bandwidth of the K devices")
+  parser.add_argument("--shape", choices=sorted(SHAPES), default="4b",
+                      help="the target's shape (Qwen3-4B, -8B or -32B; --small overrides)")
   harness.add_common_arguments(parser, repeats=20, warmup=3)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
   if args.context is not None and args.contexts is not None:
@@ -133,29 +144,62 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def target_config(small: bool) -> tm.TargetConfig:
-  """The benchmark's target shape: Qwen3-4B, or (`small`) a 2-layer float32 model for CPUs whose
-  draft reads the embedding output and layer 0 (a DeepSpec draft may not read the final layer)."""
+SHAPES = {
+    "4b": {},
+    "8b": dict(num_layers=36, tie_embeddings=False, feature_layers=(1, 9, 17, 25, 33),
+               layer=layers.LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8,
+                                       head_dim=128, intermediate_size=12288)),
+    "32b": dict(num_layers=64, tie_embeddings=False, feature_layers=(1, 16, 31, 46, 61),
+                layer=layers.LayerShape(hidden_size=5120, num_heads=64, num_kv_heads=8,
+                                        head_dim=128, intermediate_size=25600)),
+}
+"""Target shapes by name: overrides of `tm.qwen3_4b_shape` (Qwen3-8B and -32B: untied, V 151936)."""
+
+
+def target_config(small: bool, shape: str = "4b", tp: int = 1) -> tm.TargetConfig:
+  """The benchmark's target shape (`SHAPES`), or (`small`) a 2-layer float32 model for CPUs whose
+  draft reads the embedding output and layer 0 (a DeepSpec draft may not read the final layer);
+  with `tp` > 1 the small model has `tp` KV heads, so the mesh divides them."""
   if small:
     return tm.TargetConfig(
         vocab_size=512, num_layers=2, feature_layers=(-1, 0),
-        layer=layers.LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+        layer=layers.LayerShape(hidden_size=32, num_heads=2 * tp, num_kv_heads=tp, head_dim=16,
                                 intermediate_size=64))
-  return tm.qwen3_4b_shape()
+  return tm.qwen3_4b_shape(**SHAPES[shape])
 
 
-def build_models(small: bool, gamma: int):
+def build_models(small: bool, gamma: int, shape: str = "4b", tp: int = 1):
   """A random target (`target_config`) and a DSpark draft of its layer shape: 5 layers, vanilla
-  head r = 256, bf16 (`small`: 1 layer, r = 32, float32)."""
-  config = target_config(small)
+  head r = 256, bf16 (`small`: 1 layer, r = 32, float32). With `tp` > 1 both are built straight
+  into shards on a mesh of `tp` devices (`dspark_jax.shard`'s layout): no whole copy anywhere."""
+  config = target_config(small, shape, tp)
   draft_layers, rank, dtype = (1, 32, jnp.float32) if small else (5, 256, jnp.bfloat16)
-  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
-  draft = dm.DSparkDraft(
+  make_target = lambda: tm.TargetModel(config, rngs=nnx.Rngs(0))
+  make_draft = lambda: dm.DSparkDraft(
       dm.DraftConfig(gamma=gamma, num_layers=draft_layers, target_layer_ids=config.feature_layers,
                      mask_token_id=config.vocab_size - 1, head_kind="vanilla", rank=rank,
                      dtype=dtype, param_dtype=dtype),
       config, rngs=nnx.Rngs(1))
-  return target, draft
+  if tp == 1:
+    return make_target(), make_draft()
+  plan = layout.Plan(dj.make_mesh(tp))
+  return sharded_random(make_target, plan, 0), sharded_random(make_draft, plan, 1)
+
+
+def sharded_random(make, plan, seed: int):
+  """`make()`'s model with random weights (N(0, 0.02²); ones for vectors) generated in place
+  on `plan`'s mesh, each parameter by one program whose output is already sharded."""
+  graphdef, state = nnx.split(nnx.eval_shape(make))
+  def build(path, leaf):
+    name = placement.path_name(path)
+    sharding = plan.sharding(layout.param_spec(name, plan))
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) % (2 ** 31))
+    fill = ((lambda: jnp.ones(leaf.shape, leaf.dtype)) if len(leaf.shape) < 2 else
+            (lambda: (0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)))
+    return jax.jit(fill, out_shardings=sharding)()
+  model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(build, state))
+  placement.set_plan(model, plan)
+  return model
 
 
 def _elements(tree) -> int:
@@ -479,7 +523,12 @@ def main(argv=None) -> int:
   meta["matmul_tflops"] = rate / 1e12
   print(f"compute floors at {rate / 1e12:.1f} TFLOP/s (this run's bf16 matrix product)", flush=True)
   start = time.perf_counter()
-  target, draft = build_models(args.small, args.gamma)
+  target, draft = build_models(args.small, args.gamma, args.shape, args.tp)
+  if args.tp > 1:
+    bandwidth *= args.tp
+    meta["tp"] = args.tp
+    print(f"tensor parallel over {args.tp} devices: floors at the aggregate {bandwidth / 1e9:.1f} "
+          "GB/s", flush=True)
   jax.block_until_ready(nnx.state(target))
   meta.update(target_bytes=harness.nbytes(nnx.state(target)),
               draft_bytes=harness.nbytes(nnx.state(draft)))
@@ -548,7 +597,8 @@ def main(argv=None) -> int:
     if args.hf:
       row.append(hf_cell(hf_rows, context, batch, t.get("autoregressive step")))
     rows.append(row)
-  title = (f"bench_decode ({meta['device_kind']}, γ = {args.gamma}; ms per part, × its floor: the "
+  title = (f"bench_decode ({meta['device_kind']}{f' x{args.tp} TP' if args.tp > 1 else ''}, "
+           f"{'small' if args.small else 'Qwen3-' + args.shape.upper()}, γ = {args.gamma}; ms per part, × its floor: the "
            f"larger of bytes at {bandwidth / 1e9:.1f} GB/s and FLOPs at {rate / 1e12:.1f} TFLOP/s, "
            "c where compute binds")
   title += ("; HF: transformers' compiled static-cache decode step, × our autoregressive step)"

@@ -33,6 +33,9 @@ Public API (each name documented in its module):
   out, with stop strings.
 * `load_shipped`, `load_shipped_tokenizer` (models.shipped): the trained pair shipped in
   ``dspark_jax/assets`` and its tokenizer.
+* `shard`, `make_mesh` (parallel.placement): sharded copies of a target and draft on a device mesh
+  (tensor parallelism over axis "tp", replicas over "dp"); `load_pretrained(..., mesh=mesh)` loads
+  straight into shards (docs/sharding.md).
 * `dspark_jax.testing`: exact reference laws, chi-square, and a toy pair for distribution checks.
 """
 
@@ -49,6 +52,7 @@ from dspark_jax.models.draft import DraftConfig, DSparkDraft
 from dspark_jax.models.layers import LayerShape
 from dspark_jax.models.shipped import load_shipped, load_shipped_tokenizer
 from dspark_jax.models.target import TargetConfig, TargetModel, logits
+from dspark_jax.parallel.placement import make_mesh, shard
 from dspark_jax.sampling.params import SamplingParams
 from dspark_jax.sampling.sampler import Stream, row_keys, sample_step
 from dspark_jax.sampling.target_law import sample_target, target_log_probs
@@ -68,5 +72,5 @@ __all__ = [
     "sample_step", "sample_target", "SamplingParams", "Stream", "target_log_probs", "TargetConfig",
     "TargetModel", "verify", "calibration", "schedules", "load_pretrained", "save_pretrained",
     "draft_proposal", "generate_text", "load_shipped", "load_shipped_tokenizer", "load_tokenizer",
-    "TextResult", "Tokenizer", "profile_sps",
+    "TextResult", "Tokenizer", "profile_sps", "make_mesh", "shard",
 ]

@@ -10,6 +10,11 @@ if os.environ.get("DSPARK_TEST_GPU") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:  # pytest's workers (pytest-xdist) share the GPU: none may take most of its memory up front
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Eight CPU devices, for the sharding tests (tests/test_sharding.py); every other test runs on the
+# first, as before. Set before JAX is imported (XLA reads it when the CPU client starts).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 # The backend a test asks for, not one forced from the environment (tests that need the variable
 # set it themselves); likewise the memory gate's mode and the attention implementation.
 os.environ.pop("DSPARK_JAX_BACKEND", None)

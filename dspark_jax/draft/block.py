@@ -57,14 +57,25 @@ def choose_backend(head_params: dict, base_logits, *, kind: str, greedy_only: bo
   """The `dispatch.Choice` for a folded block of these arrays (shapes and dtypes only).
 
   `backend`: a `dispatch.Choice` (returned as it is), "auto", "xla", "triton", "hopper", or None
-  (``$DSPARK_JAX_BACKEND``, default "auto"); `config`: that backend's settings (`dispatch`).
+  (``$DSPARK_JAX_BACKEND``, default "auto"); `config`: that backend's settings (`dispatch`). The
+  devices ``head_params["w2"]`` spans (a sharded draft's, `dspark_jax.parallel`) count: the
+  kernels run on one device only.
   """
   batch, gamma, vocab = base_logits.shape
   return dispatch.resolve(
       backend, config, greedy_only=greedy_only, batch=batch, vocab=vocab,
       rank=head_params["w1"].shape[1], gamma=gamma, w2_dtype=head_params["w2"].dtype,
       logits_dtype=base_logits.dtype, head_kind=kind, store_logits=store_logits,
-      confidence=confidence, device=device)
+      confidence=confidence, device=device, devices=_devices(head_params["w2"]))
+
+
+def _devices(x) -> int:
+  """The devices a concrete array spans (1 for a traced or host value)."""
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+  try:
+    return len(sharding.device_set) if sharding is not None else 1
+  except (AttributeError, TypeError, ValueError):  # a tracer's sharding has no device set
+    return 1
 
 
 @struct.dataclass

@@ -34,6 +34,7 @@ from dspark_jax.draft import heads
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import placement
 
 _DTYPE_FIELDS = ("dtype", "param_dtype")
 
@@ -203,7 +204,7 @@ def model_payload(model: nnx.Module, *, dtype=None, metadata: dict | None = None
                   ) -> tuple[dict[str, jax.Array], dict[str, str]]:
   """(tensors, file metadata) of a model: its parameters cast to `dtype` if given, its config and
   kind, and `metadata` (JSON-encoded)."""
-  arrays = named_arrays(nnx.state(model, nnx.Param))
+  arrays = named_arrays(placement.canonical_state(model))
   if dtype is not None:
     arrays = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
               for k, v in arrays.items()}

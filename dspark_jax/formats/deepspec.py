@@ -55,6 +55,7 @@ from dspark_jax.formats import qwen3
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import placement
 from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -358,7 +359,7 @@ def deepspec_tensors(draft: dm.DSparkDraft, target: tm.TargetModel) -> dict[str,
   """``{DeepSpec tensor name: NumPy array}`` of `draft`, in its storage dtype, with the target's
   embedding and LM head as the draft's copies."""
   dtype = jnp.dtype(draft.config.param_dtype)
-  arrays = checkpoints.named_arrays(nnx.state(draft, nnx.Param))
+  arrays = checkpoints.named_arrays(placement.canonical_state(draft))
   arrays.pop("confidence.temperatures", None)
   names = deepspec_names(draft.config)
   if draft.head.kind == "none":

@@ -24,12 +24,14 @@ from dspark_jax.formats import qwen3
 from dspark_jax.formats import speculators
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import placement
 from dspark_jax import validation
 
 DRAFT_FORMATS = ("deepspec", "speculators")
 
 
-def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None
+def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None, mesh=None,
+                    tp: str = "tp", dp: str | None = None
                     ) -> tuple[tm.TargetModel, dm.DSparkDraft | None]:
   """Loads a Hugging Face Qwen3 target and, optionally, a DeepSpec or speculators draft for it.
 
@@ -39,6 +41,10 @@ def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None
     draft_dir: a DeepSpec or speculators draft directory, or None for the target alone.
     dtype: the compute and storage dtype of both models (float32, bfloat16 or float16); default
       each checkpoint's own.
+    mesh, tp, dp: a `jax.sharding.Mesh` to load into (`dspark_jax.shard`'s layout; axis `tp`
+      splits the weights, `dp` holds replicas). The target is read straight into shards, each
+      device's part of each tensor on its own (`qwen3.load_qwen3`); the draft, small, is read
+      whole and then placed. None (default): one device.
 
   Returns:
     ``(target, draft)``; `draft` is None without `draft_dir`. With a draft, the target's
@@ -57,8 +63,9 @@ def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None
   target_dir = validation.check_path("target_dir", target_dir)
   if dtype is not None:
     dtype = validation.check_dtype("dtype", dtype)
+  sharding = dict(mesh=mesh, tp=tp, dp=dp)
   if draft_dir is None:
-    return qwen3.load_qwen3(target_dir, dtype=dtype), None
+    return qwen3.load_qwen3(target_dir, dtype=dtype, **sharding), None
   draft_dir = validation.check_path("draft_dir", draft_dir)
   hf_target = qwen3.read_config(target_dir)
   layers = hf_target.get("num_hidden_layers")
@@ -77,9 +84,11 @@ def load_pretrained(target_dir: str, draft_dir: str | None = None, *, dtype=None
                            f"draft differs from the target's num_hidden_layers {layers}")
         layer_ids = deepspec.check_target_layer_ids(hf_draft.get("target_layer_ids"), layers)
       load_draft = deepspec.load_deepspec_draft
-  target = qwen3.load_qwen3(target_dir, dtype=dtype, feature_layers=layer_ids)
+  target = qwen3.load_qwen3(target_dir, dtype=dtype, feature_layers=layer_ids, **sharding)
   with _naming(draft_dir):
     draft = load_draft(draft_dir, target, dtype=dtype)
+    if mesh is not None:
+      _, draft = placement.shard(target, draft, mesh, tp=tp, dp=dp)
   return target, draft
 
 

@@ -37,6 +37,9 @@ from dspark_jax import validation
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import layout
+from dspark_jax.parallel import loading
+from dspark_jax.parallel import placement
 from dspark_jax.formats import checkpoints
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -431,8 +434,8 @@ def _checkpoint_dtype(hf: Mapping[str, Any], tensors: Mapping[str, Any]):
   return jnp.dtype(dtype)
 
 
-def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-1,)
-               ) -> tm.TargetModel:
+def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-1,),
+               mesh=None, tp: str = "tp", dp: str | None = None) -> tm.TargetModel:
   """A `TargetModel` from a Hugging Face Qwen3 checkpoint directory.
 
   Args:
@@ -441,15 +444,22 @@ def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-
     dtype: the compute and storage dtype; default the checkpoint's (``dtype`` / ``torch_dtype``
       in the config, else the tensors' widest floating dtype). Weights are cast to it.
     feature_layers: the layers whose hidden states the model returns as draft features.
+    mesh, tp, dp: a `jax.sharding.Mesh` to load straight into shards (`dspark_jax.shard`'s
+      layout over axis `tp`, replicas over `dp`): each device's part of each tensor is read from
+      the files on its own (`safetensors_io.LazyTensors`), no tensor is ever whole on the host.
+      None (default): one device.
 
   Raises:
     FileNotFoundError: no directory, config or weights file (naming the path).
     ValueError: a refused config field (`config_from_hf`), or a missing, unexpected or misshapen
       tensor (naming it). A tied checkpoint may hold ``lm_head.weight`` only if it equals the
-      embedding.
+      embedding. With a mesh, also: a mesh that does not divide the heads, KV heads, SwiGLU width
+      or vocabulary (`parallel.layout.check_divisible`).
   """
   directory = validation.check_path("directory", directory)
   hf = read_config(directory)
+  if mesh is not None:
+    return _load_sharded(directory, hf, dtype, feature_layers, layout.Plan(mesh, tp, dp))
   tensors = safetensors_io.read_tensors(directory)
   dtype = (_checkpoint_dtype(hf, tensors) if dtype is None
            else validation.check_dtype("dtype", dtype))
@@ -464,6 +474,38 @@ def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-
   shapes = {k: v.shape for k, v in checkpoints.named_arrays(nnx.state(abstract, nnx.Param)).items()}
   arrays = from_hf_tensors(tensors, hf_names(config), shapes, what=directory)
   return checkpoints.target_from_arrays(config, arrays)
+
+
+def _load_sharded(directory: str, hf, dtype, feature_layers, plan) -> tm.TargetModel:
+  """`load_qwen3` into shards: headers checked as the whole load checks tensors, then each
+  device's part read on its own (`parallel.loading`)."""
+  tensors = safetensors_io.LazyTensors(directory)
+  dtype = (_checkpoint_dtype(hf, tensors) if dtype is None
+           else validation.check_dtype("dtype", dtype))
+  config = config_from_hf(hf, dtype=dtype, feature_layers=feature_layers)
+  layout.check_divisible(plan, vocab_size=config.vocab_size, shapes={"target": config.layer})
+  names = hf_names(config)
+  if config.tie_embeddings and "lm_head.weight" in tensors:
+    embed = "model.embed_tokens.weight"
+    same = embed in tensors and tensors[embed].shape == tensors["lm_head.weight"].shape
+    rows = tensors[embed].shape[0] if same else 0
+    for start in range(0, rows, 4096):  # compared a block of rows at a time
+      index = (slice(start, min(start + 4096, rows)), slice(None))
+      same = same and np.array_equal(tensors.read("lm_head.weight", index),
+                                     tensors.read(embed, index))
+    if not same:
+      raise ValueError(f"{directory}: unexpected tensor 'lm_head.weight' (tie_word_embeddings is "
+                       "true and it differs from 'model.embed_tokens.weight')")
+  abstract = nnx.eval_shape(lambda: tm.TargetModel(config, rngs=nnx.Rngs(0)))
+  shapes = {k: v.shape for k, v in checkpoints.named_arrays(nnx.state(abstract, nnx.Param)).items()}
+  headers = {k: v for k, v in tensors.items() if not (config.tie_embeddings and k == "lm_head.weight")}
+  from_hf_tensors(headers, names, shapes, what=directory)   # names, shapes and dtypes checked
+
+  def read(name, index):
+    if is_transposed(name):
+      return tensors.read(names[name], index[::-1]).T
+    return tensors.read(names[name], index)
+  return loading.sharded_model(abstract, plan, config.layer, read)
 
 
 def save_qwen3(target: tm.TargetModel, directory: str, *, max_shard_bytes: int | None = None,
@@ -489,7 +531,7 @@ def save_qwen3(target: tm.TargetModel, directory: str, *, max_shard_bytes: int |
   if clash:
     raise ValueError(f"extra_config: {clash[0]!r} is written from the model's config")
   hf.update(extra_config or {})
-  arrays = checkpoints.named_arrays(nnx.state(target, nnx.Param))
+  arrays = checkpoints.named_arrays(placement.canonical_state(target))
   tensors = to_hf_tensors(arrays, hf_names(target.config))
   directory = os.fspath(directory)
   files = safetensors_io.write_tensors(directory, tensors, max_shard_bytes=max_shard_bytes)

@@ -10,6 +10,8 @@ Arrays are NumPy arrays; bfloat16 tensors come back as ``ml_dtypes.bfloat16`` ar
 ``jax.numpy.bfloat16`` is) and are written from them. Written files carry the metadata
 ``{"format": "pt"}``, which transformers requires of a checkpoint it loads.
 
+`LazyTensors` reads a directory's tensors on demand and in parts (loading into shards).
+
 Errors name the file: a missing directory or file, an index that is not JSON or places a tensor
 in a shard that lacks it, a file that cannot be read.
 """
@@ -183,3 +185,97 @@ def write_tensors(directory: str, tensors: Mapping[str, np.ndarray], *,
     json.dump(index, f, indent=2, sort_keys=True)
     f.write("\n")
   return files + [INDEX]
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool"}
+
+
+class Header:
+  """A tensor's shape and dtype as a file's header gives them (``.T``: the transposed header)."""
+
+  def __init__(self, shape: tuple[int, ...], dtype):
+    self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+  @property
+  def T(self) -> "Header":
+    return Header(self.shape[::-1], self.dtype)
+
+
+class LazyTensors(Mapping):
+  """A checkpoint directory's tensors, read on demand and in parts (a tensor name -> `Header`
+  mapping, plus `read`), for loading straight into shards without a whole copy on the host.
+
+  Attributes:
+    bytes_read: bytes returned by `read` so far. largest_read: ``{name: the most bytes one
+      read of it returned}``.
+  """
+
+  def __init__(self, directory: str):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+    from safetensors import safe_open
+
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+      raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+    weight_map = read_index(directory)
+    if weight_map is None:
+      if not os.path.isfile(os.path.join(directory, SINGLE)):
+        raise FileNotFoundError(f"{directory}: holds neither {SINGLE} nor {INDEX}")
+      files = [SINGLE]
+    else:
+      files = sorted(set(weight_map.values()))
+    self._files, self._headers = {}, {}
+    for file in files:
+      path = os.path.join(directory, file)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+      try:
+        with safe_open(path, framework="np") as f:
+          for name in f.keys():
+            if weight_map is not None and weight_map.get(name) != file:
+              continue
+            part = f.get_slice(name)
+            dtype = _DTYPES.get(part.get_dtype())
+            if dtype is None:
+              raise ValueError(f"{path}: tensor {name!r} has dtype {part.get_dtype()}, which is not "
+                               "read here")
+            self._headers[name] = Header(part.get_shape(), jnp_dtype(dtype))
+            self._files[name] = path
+      except (FileNotFoundError, ValueError):
+        raise
+      except Exception as error:
+        raise _open_error(path, error) from error
+    missing = sorted(set(weight_map or ()) - set(self._headers))
+    if missing:
+      raise ValueError(f"{directory}: the index places tensor {missing[0]!r} in "
+                       f"{weight_map[missing[0]]}, but the file does not hold it")
+    self.bytes_read = 0
+    self.largest_read: dict[str, int] = {}
+
+  def __getitem__(self, name: str) -> Header:
+    return self._headers[name]
+
+  def __iter__(self):
+    return iter(self._headers)
+
+  def __len__(self) -> int:
+    return len(self._headers)
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The part `index` (one slice per axis) of tensor `name`, as a NumPy array."""
+    from safetensors import safe_open
+
+    with safe_open(self._files[name], framework="np") as f:
+      value = np.asarray(f.get_slice(name)[tuple(index)])
+    self.bytes_read += value.nbytes
+    self.largest_read[name] = max(self.largest_read.get(name, 0), value.nbytes)
+    return value
+
+
+def jnp_dtype(name: str) -> np.dtype:
+  """A NumPy dtype by name, bfloat16 included (as ``ml_dtypes.bfloat16``)."""
+  import ml_dtypes
+
+  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)

@@ -149,6 +149,7 @@ class Problem:
   head_kind: str
   store_logits: bool = True
   confidence: bool = False
+  devices: int = 1
 
   @property
   def variant(self) -> str:
@@ -206,8 +207,13 @@ HAS_HEAD: Precondition = (
     "a sequential head (r >= 1; a rank-0 draft samples its base logits, on XLA)",
     lambda p: p.rank >= 1)
 
+ONE_DEVICE: Precondition = (
+    "the block lives on one device (under a tensor-parallel mesh the XLA backend runs, "
+    "partitioned by XLA)", lambda p: p.devices == 1)
+
 TRITON_PRECONDITIONS: tuple[Precondition, ...] = (
     HAS_HEAD,
+    ONE_DEVICE,
     (f"V has a power-of-two tile of at least {MIN_TRITON_TILE} columns",
      lambda p: sampling.vocab_tile(p.vocab) >= MIN_TRITON_TILE),
     (f"r is a multiple of {MIN_TRITON_RANK}", lambda p: p.rank % MIN_TRITON_RANK == 0),
@@ -216,6 +222,7 @@ TRITON_PRECONDITIONS: tuple[Precondition, ...] = (
 
 HOPPER_PRECONDITIONS: tuple[Precondition, ...] = (
     HAS_HEAD,
+    ONE_DEVICE,
     ("a Hopper GPU (compute capability 9) or Pallas' interpreter",
      lambda p: p.interpret or str(p.compute_capability or "").startswith("9")),
     ("W2 and the logits are bfloat16",
@@ -361,8 +368,8 @@ def _shape(p: Problem) -> str:
 
 def problem_for(*, greedy_only: bool, batch: int, vocab: int, rank: int, gamma: int, w2_dtype,
                 logits_dtype, head_kind: str, store_logits: bool = True, confidence: bool = False,
-                device: jax.Device | None = None) -> Problem:
-  """A `Problem` on `device` (default: JAX's first device)."""
+                device: jax.Device | None = None, devices: int = 1) -> Problem:
+  """A `Problem` on `device` (default: JAX's first device), its arrays spanning `devices`."""
   device = device or jax.devices()[0]
   capability = getattr(device, "compute_capability", None)
   return Problem(
@@ -370,7 +377,8 @@ def problem_for(*, greedy_only: bool, batch: int, vocab: int, rank: int, gamma: 
       core_count=int(getattr(device, "core_count", 0) or 132), greedy_only=bool(greedy_only),
       batch=int(batch), vocab=int(vocab), rank=int(rank), gamma=int(gamma),
       w2_dtype=jnp.dtype(w2_dtype).name, logits_dtype=jnp.dtype(logits_dtype).name,
-      head_kind=str(head_kind), store_logits=bool(store_logits), confidence=bool(confidence))
+      head_kind=str(head_kind), store_logits=bool(store_logits), confidence=bool(confidence),
+      devices=int(devices))
 
 
 def resolve(backend, config=None, **problem) -> Choice:

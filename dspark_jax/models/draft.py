@@ -41,6 +41,7 @@ from dspark_jax import validation
 from dspark_jax.draft import heads
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,12 @@ class DraftConfig:
 
 
 class DSparkDraft(nnx.Module):
-  """The draft. ``draft(target, anchor, anchor_pos, context) -> (base_logits, hidden)``."""
+  """The draft. ``draft(target, anchor, anchor_pos, context) -> (base_logits, hidden)``.
+
+  `plan`: as `TargetModel.plan` (its context cache is kept sharded by KV head).
+  """
+
+  plan = None
 
   def __init__(self, config: DraftConfig, target_config: tm.TargetConfig, *, rngs: nnx.Rngs):
     config.check_against(target_config)
@@ -153,8 +159,10 @@ class DSparkDraft(nnx.Module):
     out = {"k": [], "v": []}
     for i, layer in enumerate(self.layers):
       k, v = layer.attention.keys_values(states, positions)
-      out["k"].append(layers.write_heads(context["k"][i], k, start))
-      out["v"].append(layers.write_heads(context["v"][i], v, start))
+      out["k"].append(layout.constrain_cache(layers.write_heads(context["k"][i], k, start),
+                                             self.plan))
+      out["v"].append(layout.constrain_cache(layers.write_heads(context["v"][i], v, start),
+                                             self.plan))
     return {name: tuple(arrays) for name, arrays in out.items()}
 
   def __call__(self, target: tm.TargetModel, anchor: jax.Array, anchor_pos: jax.Array,

@@ -12,7 +12,13 @@ This module owns the pieces both models are made of, as flax nnx modules:
   and block) into one attention;
 * `MLP`: the SwiGLU feed-forward block;
 * `write_rows`, `write_heads`: write a contiguous run of per-row entries into a static-size
-  buffer; `write_heads` into a head-major [B, K, S, D] key/value cache, the layout attention reads.
+  buffer; `write_heads` into a head-major [B, K, S, D] key/value cache, the layout attention reads;
+* `group_columns`, `ungroup_columns`, `split_columns`: the column order of a fused projection.
+  Stored whole, a fused matrix is its parts side by side (``[q | k | v]``, ``[gate | up]``). Split
+  over g devices (`dspark_jax.parallel`), it is stored in g column groups, group j holding the j-th
+  g-th of every part (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``), so that each device's columns are
+  whole heads (whole SwiGLU columns) of every part and no product needs another device's columns.
+  `Attention.column_groups` / `MLP.column_groups` say which order a layer's matrices are in.
 
 Shapes: B batch, T tokens, S cache slots, N query heads, K key/value heads, D head dim, E hidden size.
 """
@@ -24,6 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
@@ -208,6 +215,40 @@ def write_heads(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Ar
       cache, heads_first(values).astype(cache.dtype), start)
 
 
+def group_columns(x, widths: tuple[int, ...], groups: int):
+  """Fused columns ``[part_0 | part_1 | ...]`` (widths `widths`, on the last axis) -> `groups`
+  column groups, group j the j-th `groups`-th of every part in order. NumPy or JAX arrays;
+  ``groups = 1`` returns `x` unchanged. Each width must be a multiple of `groups`."""
+  if groups == 1:
+    return x
+  lead, out, start = x.shape[:-1], [], 0
+  for width in widths:
+    out.append(x[..., start:start + width].reshape(*lead, groups, width // groups))
+    start += width
+  xp = jnp if isinstance(x, jax.Array) else np
+  return xp.concatenate(out, axis=-1).reshape(*lead, start)
+
+
+def split_columns(y, widths: tuple[int, ...], groups: int) -> list:
+  """The parts (each ``[..., width]``, in canonical column order) of fused columns `y` stored in
+  `groups` column groups (`group_columns`); ``groups = 1`` slices them off side by side."""
+  lead, parts, start = y.shape[:-1], [], 0
+  grouped = y.reshape(*lead, groups, -1)
+  for width in widths:
+    step = width // groups
+    parts.append(grouped[..., start:start + step].reshape(*lead, width))
+    start += step
+  return parts
+
+
+def ungroup_columns(x, widths: tuple[int, ...], groups: int):
+  """The inverse of `group_columns`: `groups` column groups -> ``[part_0 | part_1 | ...]``."""
+  if groups == 1:
+    return x
+  xp = jnp if isinstance(x, jax.Array) else np
+  return xp.concatenate(split_columns(x, widths, groups), axis=-1)
+
+
 def _linear(fan_in, fan_out, dtype, param_dtype, rngs):
   return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -218,7 +259,11 @@ class Attention(nnx.Module):
   The query, key and value projections are one matrix, ``qkv_proj`` [E, (N + 2K)·D] (columns:
   queries, keys, values), so a layer reads its inputs' projections in one product. Checkpoints
   name its parts ``q_proj``, ``k_proj`` and ``v_proj`` (`dspark_jax.formats.checkpoints`).
+  `column_groups` (1 unless `dspark_jax.parallel` placed the layer on a mesh) is the column order
+  of ``qkv_proj`` (module docstring); the outputs do not depend on it.
   """
+
+  column_groups = 1
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, n, k, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -238,26 +283,34 @@ class Attention(nnx.Module):
     v = self._heads(v, self.shape.num_kv_heads)
     return rope(k, positions, self.shape.rope_theta, self.shape.rope_scaling), v
 
+  @property
+  def widths(self) -> tuple[int, int, int]:
+    """The column widths of ``qkv_proj``'s parts: (N·D, K·D, K·D)."""
+    nk = self.shape.num_kv_heads * self.shape.head_dim
+    return (self.shape.num_heads * self.shape.head_dim, nk, nk)
+
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[B, T, E] -> queries [B, T, N, D] and keys, values [B, T, K, D] (queries and keys
     normalised and rotated), from one product."""
-    nq = self.shape.num_heads * self.shape.head_dim
-    nk = self.shape.num_kv_heads * self.shape.head_dim
-    qkv = self.qkv_proj(x)
-    q = self.q_norm(self._heads(qkv[..., :nq], self.shape.num_heads))
+    q, k, v = split_columns(self.qkv_proj(x), self.widths, self.column_groups)
+    q = self.q_norm(self._heads(q, self.shape.num_heads))
     q = rope(q, positions, self.shape.rope_theta, self.shape.rope_scaling)
-    k, v = self._keys_values(qkv[..., nq:nq + nk], qkv[..., nq + nk:], positions)
+    k, v = self._keys_values(k, v, positions)
     return q, k, v
 
   def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated), without the
     queries (the draft's context)."""
-    nq = self.shape.num_heads * self.shape.head_dim
-    nk = self.shape.num_kv_heads * self.shape.head_dim
+    nq, nk, _ = self.widths
+    groups = self.column_groups
     proj = self.qkv_proj
-    x, kernel, _ = proj.promote_dtype((x, proj.kernel[...][:, nq:], None), dtype=proj.dtype)
+    kernel = proj.kernel[...]
+    kernel = kernel.reshape(kernel.shape[0], groups, -1)[:, :, nq // groups:].reshape(
+        kernel.shape[0], -1)                                 # each group's keys and values
+    x, kernel, _ = proj.promote_dtype((x, kernel, None), dtype=proj.dtype)
     kv = proj.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision)
-    return self._keys_values(kv[..., :nk], kv[..., nk:], positions)
+    k, v = split_columns(kv, (nk, nk), groups)
+    return self._keys_values(k, v, positions)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over head-major [B, K, S, D] keys/values; `mask`
@@ -344,7 +397,10 @@ class CachePrefix:
 
 class MLP(nnx.Module):
   """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matrix ``gate_up_proj`` [E, 2I]
-  (checkpoints name its halves ``gate_proj`` and ``up_proj``)."""
+  (checkpoints name its halves ``gate_proj`` and ``up_proj``; `column_groups`: their column
+  order, as `Attention.column_groups`)."""
+
+  column_groups = 1
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
     e, i = shape.hidden_size, shape.intermediate_size
@@ -354,7 +410,8 @@ class MLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     h = self.gate_up_proj(x)
     i = h.shape[-1] // 2
-    return self.down_proj(jax.nn.silu(h[..., :i]) * h[..., i:])
+    gate, up = split_columns(h, (i, i), self.column_groups)
+    return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

@@ -28,6 +28,7 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.models import layers
+from dspark_jax.parallel import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,13 @@ def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple
 
 
 class TargetModel(nnx.Module):
-  """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``."""
+  """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``.
+
+  `plan` is None, or the `parallel.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
+  its caches are then kept sharded by KV head.
+  """
+
+  plan = None
 
   def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs):
     kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
@@ -167,8 +174,8 @@ class TargetModel(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
-        keys = layers.write_heads(cache["k"][i], k, start)
-        values = layers.write_heads(cache["v"][i], v, start)
+        keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
+        values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
         return layers.CacheUpTo(keys, values, limits), (keys, values)
       x, (keys, values) = layer(x, positions, gather_kv)
       new_k.append(keys)
@@ -209,6 +216,8 @@ class TargetModel(nnx.Module):
                                                         mode="drop")
         values = cache["v"][i].at[rows, :, positions].set(v[0].astype(cache["v"][i].dtype),
                                                           mode="drop")
+        keys = layout.constrain_cache(keys, self.plan)
+        values = layout.constrain_cache(values, self.plan)
         return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
       x, (keys, values) = layer(x, positions[None], gather_kv)
       new_k.append(keys)

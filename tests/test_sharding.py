@@ -1,0 +1,188 @@
+"""Tensor parallelism on 8 forced CPU devices (tests/conftest.py sets the XLA flag).
+
+* greedy `generate`, speculative and autoregressive, gives one device's tokens at TP = 1, 2, 4, 8
+  (tiny f32 models whose heads, KV heads, SwiGLU width and vocabulary divide 8);
+* sampled rows give one device's tokens too: every random stream is counter-based and its values
+  do not depend on the sharding, so only the order of float sums differs (equal tokens unless two
+  Gumbel scores tie within rounding, which these seeds do not hit);
+* the law: `sample_block` -> `verify` rounds of the toy Markov pair with the vocabulary split over
+  2 devices (temperature, top-k and top-p, capped verify lengths) against the exact chain law by
+  chi-square (N = 24,000 sampled rows, fail at p < 1e-3), with a power check (a wrong law is
+  rejected at p < 1e-6); the same draws are also bit-identical to one device's;
+* loading straight into shards: no read of a split tensor returns more than its shard's bytes;
+* the clear errors of a mesh that does not divide the model.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dspark_jax as dj
+from dspark_jax.formats import qwen3
+from dspark_jax.formats import safetensors_io
+from dspark_jax.models import draft as dm
+from dspark_jax.models import layers
+from dspark_jax.models import target as tm
+from dspark_jax.testing import law_checks
+from dspark_jax.testing import toy_markov
+from tests import stats
+
+VOCAB = 64
+SHAPE = layers.LayerShape(hidden_size=32, num_heads=8, num_kv_heads=8, head_dim=8,
+                          intermediate_size=64)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (forced) devices")
+
+
+def make_pair(tie=False):
+  config = tm.TargetConfig(vocab_size=VOCAB, num_layers=1, layer=SHAPE, feature_layers=(-1, 0),
+                           tie_embeddings=tie)
+  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
+  target.final_norm.scale[...] = jnp.full((SHAPE.hidden_size,), 4.0)
+  draft_config = dm.DraftConfig(gamma=3, num_layers=1, target_layer_ids=(-1, 0),
+                                mask_token_id=VOCAB - 1, head_kind="vanilla", rank=16)
+  return target, dm.DSparkDraft(draft_config, config, rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def pair():
+  return make_pair()
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+  target, draft = pair
+  greedy = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
+  sampled = dj.SamplingParams(temperature=[1.0, 0.7, 0.0, 1.3], top_k=[0, 5, 0, 0],
+                              top_p=[1.0, 1.0, 1.0, 0.8], seed=[1, 2, 3, 4])
+  key = jax.random.key(0)
+  return {
+      "spec": dj.generate(target, draft, PROMPTS, greedy, key, max_new_tokens=10).tokens,
+      "ar": dj.generate(target, None, PROMPTS, greedy, key, max_new_tokens=10,
+                        spec=False).tokens,
+      "params": (greedy, sampled)}
+
+
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                pytest.param(4, marks=pytest.mark.slow), 8])
+def test_greedy_generate_equals_one_device(pair, reference, tp):
+  target, draft = pair
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(tp))
+  greedy, _ = reference["params"]
+  key = jax.random.key(0)
+  spec = dj.generate(sharded_target, sharded_draft, PROMPTS, greedy, key, max_new_tokens=10)
+  np.testing.assert_array_equal(spec.tokens, reference["spec"])
+  ar = dj.generate(sharded_target, None, PROMPTS, greedy, key, max_new_tokens=10, spec=False)
+  np.testing.assert_array_equal(ar.tokens, reference["ar"])
+  kernel = sharded_target.layers[0].attention.qkv_proj.kernel[...]
+  assert kernel.sharding.spec == P(None, "tp") and len(kernel.sharding.device_set) == tp
+
+
+@pytest.mark.slow
+def test_sampled_rows_and_data_parallel_replicas_equal_one_device(pair, reference):
+  """TP 4 x DP 2 on all 8 devices: sampled rows (temperature, top-k, top-p) as on one device."""
+  target, draft = pair
+  mesh = dj.make_mesh(4, dp=2)
+  sharded_target, sharded_draft = dj.shard(target, draft, mesh, dp="dp")
+  _, sampled = reference["params"]
+  out = dj.generate(sharded_target, sharded_draft, PROMPTS, sampled, jax.random.key(0),
+                    max_new_tokens=10)
+  one = dj.generate(target, draft, PROMPTS, sampled, jax.random.key(0), max_new_tokens=10)
+  np.testing.assert_array_equal(out.tokens, one.tokens)
+
+
+def test_shard_copies_without_changing_the_originals_and_saves_canonically(pair, tmp_path):
+  target, draft = pair
+  before = np.asarray(target.layers[0].attention.qkv_proj.kernel[...]).copy()
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(4))
+  np.testing.assert_array_equal(target.layers[0].attention.qkv_proj.kernel[...], before)
+  assert target.plan is None and target.layers[0].attention.column_groups == 1
+  assert sharded_target.layers[0].mlp.column_groups == 4
+  assert sharded_draft.head.w2[...].sharding.spec == P(None, "tp")
+  assert sharded_draft.head.w1[...].sharding.is_fully_replicated
+  dj.save_pretrained(sharded_target, str(tmp_path / "t"))       # written in the canonical order
+  loaded, _ = dj.load_pretrained(str(tmp_path / "t"))
+  np.testing.assert_array_equal(loaded.layers[0].attention.qkv_proj.kernel[...], before)
+
+
+def test_load_pretrained_reads_each_shard_on_its_own(pair, reference, tmp_path, monkeypatch):
+  target, _ = pair
+  dj.save_pretrained(target, str(tmp_path / "t"), max_shard_bytes=20_000)
+  opened = []
+  monkeypatch.setattr(safetensors_io, "LazyTensors", lambda d: opened.append(
+      LazyCounting(d)) or opened[-1])
+  mesh = dj.make_mesh(4)
+  loaded, _ = dj.load_pretrained(str(tmp_path / "t"), mesh=mesh)
+  tensors = opened[0]
+  full = {name: int(np.prod(h.shape)) * h.dtype.itemsize for name, h in tensors.items()}
+  split = [n for n in full if any(s in n for s in ("proj", "embed_tokens", "lm_head"))]
+  for name in split:   # every split tensor: no read returned more than a quarter of it
+    assert tensors.largest_read[name] <= full[name] // 4, name
+  assert not any(s in tensors.whole for s in split)
+  np.testing.assert_array_equal(
+      loaded.layers[0].attention.qkv_proj.kernel[...],
+      dj.shard(target, None, mesh)[0].layers[0].attention.qkv_proj.kernel[...])
+  greedy, _ = reference["params"]
+  out = dj.generate(loaded, None, PROMPTS, greedy, jax.random.key(0), max_new_tokens=10,
+                    spec=False)
+  np.testing.assert_array_equal(out.tokens, reference["ar"])
+
+
+class LazyCounting(safetensors_io.LazyTensors):
+  """`LazyTensors` that also records which tensors were ever read whole."""
+
+  def read(self, name, index):
+    value = super().read(name, index)
+    if value.shape == self[name].shape:
+      self.whole = getattr(self, "whole", set()) | {name}
+    return value
+
+  whole = frozenset()
+
+
+def test_meshes_that_do_not_divide_the_model_are_refused(pair):
+  target, draft = pair
+  mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
+  with pytest.raises(ValueError, match=r"axis 'tp' has size 3, which does not divide the "
+                                       r"vocab_size = 64"):
+    dj.shard(target, draft, mesh)
+  odd = tm.TargetConfig(vocab_size=48, num_layers=1, layer=layers.LayerShape(
+      hidden_size=32, num_heads=6, num_kv_heads=2, head_dim=8, intermediate_size=48))
+  model = nnx.eval_shape(lambda: tm.TargetModel(odd, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"size 3, .* target num_kv_heads = 2"):
+    dj.shard(model, None, mesh)
+  with pytest.raises(ValueError, match=r"size 4, .* target num_heads = 6"):
+    dj.shard(model, None, dj.make_mesh(4))
+  with pytest.raises(ValueError, match="the mesh has no axis 'model'"):
+    dj.shard(target, None, dj.make_mesh(2), tp="model")
+
+
+def test_sharded_sampling_and_verification_follow_the_exact_law():
+  """Toy pair, V = 6 split over 2 devices; L = 3 tokens; N = 24,000 sampled rows."""
+  vocab, length, start, n = 6, 3, 1, 24_000
+  temperature, top_k, top_p = 0.9, 4, 0.9
+  base = toy_markov.random_pair(vocab, 3, seed=5)
+  mesh = dj.make_mesh(2)            # Auto axes: XLA places what the specs leave open
+  put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  head = dj.markov_head_from_arrays("vanilla", base.head.arrays())
+  head.w2.value = put(head.w2[...], P(None, "tp"))
+  sharded = toy_markov.ToyPair(target_table=put(base.target_table, P(None, "tp")),
+                               draft_base=put(base.draft_base, P(None, None, "tp")), head=head)
+  params = dj.SamplingParams(temperature=np.full(n, temperature), top_k=np.full(n, top_k),
+                             top_p=np.full(n, top_p), seed=np.arange(n))
+  lens = 1 + np.arange(n) % 4                       # verify lengths 1..γ+1, capped rounds too
+  key = jax.random.key(7)
+  trace = toy_markov.speculative_decode(sharded, params, key, start, length, verify_lens=lens)
+  assert trace.verify_lens.shape[0] >= 2
+  counts = law_checks.outcome_counts(trace.tokens, vocab)
+  law = law_checks.chain_law(base.target_table, start, length, temperature=temperature,
+                             top_k=top_k, top_p=top_p)
+  stats.assert_law(counts, law, what="sharded verify")
+  wrong = law_checks.chain_law(base.target_table, start, length, temperature=temperature)
+  stats.assert_rejects(counts, wrong, what="sharded verify against the untruncated law")
+  one_device = toy_markov.speculative_decode(base, params, key, start, length, verify_lens=lens)
+  np.testing.assert_array_equal(trace.tokens, one_device.tokens)
