@@ -185,6 +185,8 @@ def test_target_and_draft_over_a_paged_cache_equal_the_contiguous_caches():
                                             starts[jnp.minimum(rows, b - 1)] + slots, cache, 4)
     return outs + [logits, features], cache
 
+  with pytest.raises(ValueError, match="cache: a paged cache of 3 slots .* for 2 rows"):
+    target(tokens[:2, :1], jnp.zeros((2, 1), jnp.int32), paged)
   got, cache = run(*caches["paged"])
   want, dense = run(*caches["dense"])
   for a, w in zip(got, want):
@@ -219,6 +221,40 @@ def test_allocator_hands_out_each_page_once_and_admits_in_queue_order():
     assert alloc.free_pages + sum(alloc.held(s) for s in range(4)) == 12
 
 
+def test_grow_preempts_the_newest_rows_and_every_other_row_gets_its_pages():
+  alloc = allocator.PageAllocator(num_pages=8, page_size=16, slots=3, max_pages=6)
+  assert alloc.admit([32, 32, 32, 32]) == 4
+  for slot in (1, 0, 2):                                 # admission order: 1, 0, 2
+    assert alloc.start(slot, 32)
+  assert alloc.grow([64, 64, 48]) == [2]                 # 5 more pages wanted, 2 free
+  assert (alloc.held(0), alloc.held(1), alloc.held(2), alloc.free_pages) == (4, 4, 0, 0)
+  assert alloc.grow([96, 64, 0]) == [0] and alloc.held(1) == 4 and alloc.free_pages == 4
+  assert alloc.grow([0, 96, 0]) == [] and alloc.held(1) == 6   # the oldest row always fits
+  with pytest.raises(ValueError, match="slot: 1 still holds 6 pages"):
+    alloc.start(1, 16)
+  assert allocator.lookahead(3, 7) == 32
+  # A random workload: rows start, grow and finish; after every `grow` each running row holds
+  # what it wants, no page is shared or lost, and the oldest running row is never preempted.
+  rng = np.random.default_rng(0)
+  alloc = allocator.PageAllocator(num_pages=12, page_size=16, slots=4, max_pages=8)
+  wants = np.zeros(4, np.int64)
+  for _ in range(150):
+    for slot in range(4):
+      if wants[slot] and rng.random() < 0.1:
+        alloc.release(slot)
+        wants[slot] = 0
+      elif not wants[slot] and alloc.admit([16]) and alloc.start(slot, 16):
+        wants[slot] = 16
+    wants = np.minimum(wants + rng.integers(0, 20, 4) * (wants > 0), 128)
+    oldest = min((s for s in range(4) if wants[s]), key=lambda s: alloc._order[s], default=None)
+    preempted = alloc.grow(wants)
+    assert oldest not in preempted
+    wants[preempted] = 0
+    paging.check_table(alloc.table, 12, wants, 16)
+    assert all(alloc.held(s) * 16 >= wants[s] for s in range(4))
+    assert alloc.free_pages + sum(alloc.held(s) for s in range(4)) == 12
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda: allocator.PageAllocator(3, 16, 2, 4), "num_pages: a pool of 3 pages cannot hold one"),
     (lambda: paging.init_pools(1, slots=2, num_pages=3, max_pages=4, page_size=16, kv_heads=1,
@@ -226,10 +262,14 @@ def test_allocator_hands_out_each_page_once_and_admits_in_queue_order():
     (lambda: allocator.PageAllocator(8, 24, 2, 4), "page_size: 24 is not a multiple of 16"),
     (lambda: allocator.PageAllocator(8, 16, 2, 4).reserve(0, 65), "positions: 65 exceed"),
     (lambda: allocator.admissible(8, [16, 80], 16, 4), "needs: row 1 needs 80 positions"),
+    (lambda: allocator.PageAllocator(8, 16, 2, 4).grow([0, 65]), "wants: slot 1 wants 65"),
     (lambda: paging.check_table(np.asarray([[0, 1], [9, -1]]), 4), r"entry \[1, 0\] = 9 points"),
     (lambda: paging.check_table(np.asarray([[0, -1]]), 4, [17], 16), r"entry \[0, 1\] = -1"),
     (lambda: paging.check_table(np.asarray([[0, 2], [2, -1]]), 4), "page another entry holds"),
     (lambda: allocator.pool_pages(0), "page_bytes"),
+    (lambda: paged_attention.attend_paged(jnp.zeros((1, 1, 2, 16)), jnp.zeros((2, 1, 16, 16)),
+                                          jnp.zeros((2, 1, 16, 16)), jnp.asarray([[1, 5]]),
+                                          jnp.asarray([[17]])), r"entry \[0, 1\] = 5 points"),
     (lambda: allocator.pool_pages(64, memory_stats={}), "memory_stats: free device memory"),
 ])
 def test_bad_input_is_named(call, message):

@@ -95,10 +95,15 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.
 
   Equal to `attention.attend_limited` over the contiguous cache the table describes, within
   rounding. Only the table entries of pages below a row's longest limit are followed; those must
-  lie in the pool (`paging.cache.check_table`; the kernel clips, the gather clips, neither reads
-  outside the pool). A query with limit 0 gets zeros.
+  lie in the pool (the kernel and the gather clip, so neither reads outside it). A query with
+  limit 0 gets zeros.
+
+  Raises:
+    ValueError: concrete `table` and `limits` where a followed entry points outside the pool
+      (`paging.cache.check_table`, naming it); traced ones are not checked.
   """
   limits = limits.astype(jnp.int32)
+  paged_cache.check_table(table, k_pool.shape[0], jnp.max(limits, axis=1), k_pool.shape[2])
   chosen = choose_paged(q, k_pool, table, implementation)
   if chosen == "ragged":
     return _kernel(q, k_pool, v_pool, table, limits)[0]

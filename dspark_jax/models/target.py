@@ -194,6 +194,9 @@ class TargetModel(nnx.Module):
   def _paged(self, tokens, positions, cache, rows, write_positions, limits, slots):
     """`__call__` / `packed` over a paged cache: keys/values written at (`rows`,
     `write_positions`) through the block table, attention through it (`layers.PagedUpTo`)."""
+    if slots is None and cache.slots != tokens.shape[0]:
+      raise ValueError(f"cache: a paged cache of {cache.slots} slots (block table rows) for "
+                       f"{tokens.shape[0]} rows of tokens")
     def gather_kv(i, k, v):
       flat = slots is not None                    # packed: k [1, N, K, D] -> [N, K, D]
       keys = paging.write(cache.k[i], cache.table, rows, write_positions, k[0] if flat else k)

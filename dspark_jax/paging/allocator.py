@@ -5,16 +5,27 @@ pool of `num_pages` pages (`paging.cache`), the free list, and per slot the posi
 cover (`lengths`). The decoding program only reads the table; the host changes it between
 compiled calls (a refill boundary) and passes the new table in (`PagedKV.with_table`).
 
-Policy (docs/paged_kv.md): **reserve up front**. A row is admitted only when the pool can give it,
-at once, the pages for its whole worst case, ``prompt + max_new_tokens + 2(γ + 1)`` positions
-(`row_positions`, what `generate` sizes a contiguous row for); it keeps them until it finishes
-and `release` returns them. So a running row never needs a page it does not have: no row waits
-mid-decode, none is preempted, none is ever written through an unallocated or shared entry. A row
-that does not fit waits in the queue (first come, first served: `admissible` never lets a later,
-smaller row overtake the head, so the head cannot starve). Memory then follows the rows' budgets,
-not the longest row of the batch; rows that stop early return their pages early. Growing on
-demand (`reserve` with a larger length later) is supported for callers that can wait per row, but
-the policy above does not need it.
+Two policies, both of which never let a row be written through a page it does not hold
+(docs/paged_kv.md):
+
+* **Reserve up front** (`row_positions`): a row is admitted only when the pool can give it at
+  once the pages for its whole worst case, ``prompt + max_new_tokens + 2(γ + 1)`` positions (what
+  `generate` sizes a contiguous row for), kept until it finishes and `release` returns them. No
+  row ever waits mid-decode or is preempted. Memory follows each row's budget (not the batch's
+  longest row), but a row that stops early (EOS, a stop string) held its whole budget.
+* **Grow on demand, preempt the newest** (`grow`): a row is admitted with pages for its prompt and
+  a lookahead (the positions the next compiled chunk of rounds can write: rounds · (γ + 1) + γ + 1).
+  At every host boundary, before the next chunk runs, `grow` extends each running row to its
+  current length plus that lookahead; when the free pages do not suffice, the most recently
+  admitted rows are preempted (their pages freed, `grow` returns them) until the others fit, and
+  the caller re-queues each preempted row at the queue's head to recompute its prompt and the
+  tokens it had committed (its randomness is keyed by position, so it continues with the same
+  tokens). Memory follows the rows' real lengths; the oldest row always progresses, so no
+  deadlock. A row that cannot fit even alone (more than the pool or a slot's `max_pages`) is a
+  `ValueError` at admission.
+
+Admission (`admissible`) is first come, first served in both: a later, smaller row never overtakes
+the queue's head, so the head cannot starve; `watermark` pages can be kept free for growth.
 
 `pool_pages` sizes the pool from free device memory (`draft.memory_gate.probe_free_bytes`) less
 what the caller still has to place and a headroom.
@@ -35,6 +46,12 @@ def row_positions(prompt_len: int, max_new_tokens: int, gamma: int) -> int:
   """A row's worst-case positions: ``prompt_len + max_new_tokens + 2(γ + 1)`` (the verify block
   written past the last committed token, and its successor's)."""
   return prompt_len + max_new_tokens + 2 * (gamma + 1)
+
+
+def lookahead(rounds: int, gamma: int) -> int:
+  """Positions a row can write in `rounds` speculative rounds before the host sees it again:
+  ``(rounds + 1)(γ + 1)`` (each round's verify block, and the last one written past the end)."""
+  return (rounds + 1) * (gamma + 1)
 
 
 def pages_for(positions, page_size: int):
@@ -76,6 +93,8 @@ class PageAllocator:
     self.table = np.full((slots, max_pages), paged_cache.UNALLOCATED, np.int32)
     self.lengths = np.zeros(slots, np.int64)
     self._free = list(range(num_pages - 1, -1, -1))        # pop() hands out the lowest page
+    self._order = np.zeros(slots, np.int64)                # admission order (`start`)
+    self._admissions = 0
 
   @property
   def free_pages(self) -> int:
@@ -121,9 +140,55 @@ class PageAllocator:
     self.lengths[slot] = 0
     return held
 
-  def admit(self, needs: Sequence[int]) -> int:
-    """How many queued rows (positions each, in order) can start now (`admissible`)."""
-    return admissible(self.free_pages, needs, self.page_size, self.max_pages)
+  def admit(self, needs: Sequence[int], watermark: int = 0) -> int:
+    """How many queued rows (positions each, in order) can start now with `watermark` pages left
+    free (`admissible`)."""
+    return admissible(max(self.free_pages - watermark, 0), needs, self.page_size, self.max_pages)
+
+  def start(self, slot: int, positions: int) -> bool:
+    """Admits a row into the empty slot `slot` with pages for `positions` positions (`reserve`),
+    recording its admission order for `grow`'s preemption. False (nothing changed) when the pool
+    cannot give them.
+
+    Raises:
+      ValueError: the slot holds pages (release it first), or `reserve`'s errors.
+    """
+    if self.held(slot):
+      raise ValueError(f"slot: {slot} still holds {self.held(slot)} pages; release it first")
+    if not self.reserve(slot, positions):
+      return False
+    self._order[slot] = self._admissions
+    self._admissions += 1
+    return True
+
+  def grow(self, wants) -> list[int]:
+    """Gives every slot pages for ``wants[slot]`` positions ([slots] int; 0 for an empty slot),
+    preempting the most recently admitted rows while the free pages do not suffice. Returns the
+    preempted slots, newest first (their pages are freed; the caller re-queues their rows to
+    recompute); every other slot then holds the pages it wants.
+
+    Raises:
+      ValueError: `wants` is not [slots], or a slot wants more than its capacity.
+    """
+    wants = np.asarray(wants, np.int64)
+    if wants.shape != self.lengths.shape:
+      raise ValueError(f"wants: expected [{self.lengths.size}] positions, got shape {wants.shape}")
+    if wants.size and wants.max() > self.max_pages * self.page_size:
+      slot = int(np.argmax(wants > self.max_pages * self.page_size))
+      raise ValueError(f"wants: slot {slot} wants {int(wants[slot])} positions, more than a "
+                       f"slot's capacity of {self.max_pages * self.page_size}")
+    running = sorted((s for s in range(wants.size) if self.held(s) or wants[s]),
+                     key=lambda s: self._order[s])
+    preempted = []
+    short = lambda: int(sum(max(int(pages_for(wants[s], self.page_size)) - self.held(s), 0)
+                            for s in running)) - self.free_pages
+    while running and short() > 0:
+      victim = running.pop()
+      self.release(victim)
+      preempted.append(victim)
+    for slot in running:
+      assert self.reserve(slot, int(wants[slot]))
+    return preempted
 
 
 def token_bytes(num_layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
