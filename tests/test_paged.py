@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dspark_jax.kernels import attention
 from dspark_jax.kernels import paged_attention
@@ -107,6 +108,16 @@ def test_kernel_through_shuffled_pages_equals_the_contiguous_form(groups, t, dty
   assert np.all(np.asarray(lse)[np.asarray(limits) == 0] == -np.inf)
 
 
+@pytest.mark.gpu
+@pytest.mark.kernel
+def test_compiled_kernel_through_shuffled_pages_at_a_model_shape():
+  q, k_pool, v_pool, table, limits, ref = _case(13, 4, 8, jnp.bfloat16, 64, 16, b=4, heads=8,
+                                                d=128)
+  assert paged_attention.choose_paged(q, k_pool, table) == "ragged"
+  out = jax.jit(paged_attention.attend_paged)(q, k_pool, v_pool, table, limits)
+  assert _rel_err(out, ref) <= 4 * BF16_ULP
+
+
 def test_kernel_preconditions_name_the_page_size_and_the_table():
   q = jnp.zeros((2, 1, 4, 16), jnp.float32)
   pool = jnp.zeros((6, 2, 48, 16), jnp.float32)
@@ -152,13 +163,29 @@ def test_writes_land_through_the_table_and_idle_slots_write_nothing():
 
 
 def test_target_and_draft_over_a_paged_cache_equal_the_contiguous_caches():
+  _check_models_over_pages(make_target(), page_size=16)
+
+
+@pytest.mark.gpu
+def test_target_and_draft_over_a_paged_cache_through_the_kernel():
+  # Head size 16 and pages of 64: the kernel's preconditions hold for both caches.
+  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128)
+  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
+                                          feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
+  probe = jax.ShapeDtypeStruct((3, 4, 4, 16), jnp.float32)
+  assert paged_attention.choose_paged(probe, jax.ShapeDtypeStruct((10, 2, 64, 16), jnp.float32),
+                                      jax.ShapeDtypeStruct((3, 3), jnp.int32)) == "ragged"
+  _check_models_over_pages(target, page_size=64)
+
+
+def _check_models_over_pages(target, page_size):
   # One program per cache kind: a prefill, a verify block, the draft's context and block, and a
   # packed verify (rows of 2, 0 and 3 tokens in a bucket of 6, one padding token).
-  target = make_target()
   draft = make_draft(target, gamma=3, kind="vanilla")
   config = target.config
   rng = np.random.default_rng(1)
-  b, page_size, max_pages, prompt = 3, 16, 3, 20
+  b, max_pages, prompt = 3, 3, 20
   alloc = allocator.PageAllocator(num_pages=10, page_size=page_size, slots=b, max_pages=max_pages)
   for slot in (2, 0, 1):
     assert alloc.reserve(slot, max_pages * page_size)
