@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dspark_jax.kernels import attention
 from dspark_jax.kernels import paged_attention
@@ -19,6 +18,7 @@ from dspark_jax.paging import cache as paging
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from tests.test_decoding import make_draft, make_target
+from tests.test_packing import kernel_sized_target
 
 INTERPRET = jax.default_backend() != "gpu"
 BF16_ULP = 2.0 ** -8
@@ -169,10 +169,7 @@ def test_target_and_draft_over_a_paged_cache_equal_the_contiguous_caches():
 @pytest.mark.gpu
 def test_target_and_draft_over_a_paged_cache_through_the_kernel():
   # Head size 16 and pages of 64: the kernel's preconditions hold for both caches.
-  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=128)
-  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
-                                          feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
+  target = kernel_sized_target()
   probe = jax.ShapeDtypeStruct((3, 4, 4, 16), jnp.float32)
   assert paged_attention.choose_paged(probe, jax.ShapeDtypeStruct((10, 2, 64, 16), jnp.float32),
                                       jax.ShapeDtypeStruct((3, 3), jnp.int32)) == "ragged"
