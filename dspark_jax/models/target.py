@@ -4,8 +4,10 @@ This module owns the target language model: token embedding, a stack of `layers.
 causal attention over a per-layer KV cache, the final RMSNorm and the LM head (tied to the embedding or
 its own matrix). One call processes T new tokens per row at given absolute positions: it writes their
 keys/values into the cache at those positions, and each query attends to every cache slot at or before
-its own position. Validity is purely positional, so rolling back rejected tokens needs no work: their
-slots lie beyond the committed length and are overwritten before any query can see them.
+its own position. The cache is contiguous (`init_cache`) or paged (`dspark_jax.paging.cache.PagedKV`,
+read and written through its block table). Validity is purely positional, so rolling back rejected
+tokens needs no work: their slots lie beyond the committed length and are overwritten before any
+query can see them.
 
 The call also returns the hidden states of configured layers (`TargetConfig.feature_layers`; index -1
 is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
@@ -197,6 +199,7 @@ class TargetModel(nnx.Module):
     if slots is None and cache.slots != tokens.shape[0]:
       raise ValueError(f"cache: a paged cache of {cache.slots} slots (block table rows) for "
                        f"{tokens.shape[0]} rows of tokens")
+
     def gather_kv(i, k, v):
       flat = slots is not None                    # packed: k [1, N, K, D] -> [N, K, D]
       keys = paging.write(cache.k[i], cache.table, rows, write_positions, k[0] if flat else k)
