@@ -130,6 +130,8 @@ def test_kernel_preconditions_name_the_page_size_and_the_table():
     ra.ragged_attention(q, pool, pool, jnp.ones((2, 1), jnp.int32), block_table=table,
                         block_kv=32, interpret=True)
   assert ra.paged_block(48) == 16 and ra.paged_block(256) == 64
+  huge = jax.ShapeDtypeStruct((2 ** 18, 8, 64, 16), jnp.float32)
+  assert "2^31 elements" in ra.precondition(q, huge, block_kv=64, block_table=table)
   probe = jax.ShapeDtypeStruct((64, 8, 32, 128), jnp.bfloat16)
   pool = jax.ShapeDtypeStruct((4096, 8, 64, 128), jnp.bfloat16)
   big_table = jax.ShapeDtypeStruct((64, 130), jnp.int32)

@@ -82,8 +82,9 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV,
   q [B, T, N, D]; k (and v, if given) [B, K, S, D], or with a `block_table` [B, M] (integer)
   page pools [num_pages, K, page_size, D]. Requires: those ranks and matching B and D; v shaped as
   k; N a multiple of K; D a power of two in 16..256; `block_kv` a power of two >= 16 dividing S
-  (the page size, with a table); q, k, v all of one dtype among bfloat16, float16, float32; the
-  query tile ``P = query_rows(T, N / K)`` at most `MAX_ROWS`.
+  (the page size, with a table); a page pool of fewer than 2^31 elements; q, k, v all of one
+  dtype among bfloat16, float16, float32; the query tile ``P = query_rows(T, N / K)`` at most
+  `MAX_ROWS`.
   """
   paged = block_table is not None
   if q.ndim != 4 or k.ndim != 4:
@@ -100,6 +101,8 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV,
       return f"block_table dtype {jnp.dtype(block_table.dtype).name} is not an integer type"
     if kd != d:
       return f"q {q.shape} and the page pool {k.shape} disagree on the head size"
+    if math.prod(k.shape) >= 2 ** 31:
+      return f"the page pool {k.shape} has 2^31 elements or more (int32 offsets)"
   elif kb != b or kd != d:
     return f"q {q.shape} and k {k.shape} disagree on the batch or the head size"
   if heads < 1 or n % heads:
