@@ -179,8 +179,8 @@ def test_target_and_draft_over_a_paged_cache_through_the_kernel():
 
 
 def _check_models_over_pages(target, page_size):
-  # One program per cache kind: a prefill, a verify block, the draft's context and block, and a
-  # packed verify (rows of 2, 0 and 3 tokens in a bucket of 6, one padding token).
+  # One program per cache kind: a prefill, a verify block, an AR step, the draft's context and
+  # block, and a packed verify (rows of 2, 0 and 3 tokens in a bucket of 6, one padding token).
   draft = make_draft(target, gamma=3, kind="vanilla")
   config = target.config
   rng = np.random.default_rng(1)
@@ -202,7 +202,8 @@ def _check_models_over_pages(target, page_size):
   def run(cache, context):
     outs = []
     for positions in (jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt)),
-                      starts[:, None] + jnp.arange(4, dtype=jnp.int32)[None]):
+                      starts[:, None] + jnp.arange(4, dtype=jnp.int32)[None],   # a verify
+                      starts[:, None] + 4):                                      # an AR step
       logits, features, cache = target(tokens[:, :positions.shape[1]], positions, cache)
       context = draft.extend_context(features, positions, context)
       outs += [logits, features]
