@@ -6,6 +6,9 @@
 * `benchmarks.bench_decode`: one speculative round split into its parts (draft forward, block
   sampling, target verify, accept/commit, context update), the full round and one autoregressive
   step, in ms and × their memory floors; then ``generate`` end to end.
+* `benchmarks.bench_paged`: the target's autoregressive step and verify over a paged KV cache
+  (pages in shuffled order, read through the block table) against the contiguous cache, in ms and
+  paged / contiguous.
 * `benchmarks.bench_compact`: the sampling block with stored corrected logits against
   ``store_logits=False`` (`CompactLogits`), alone and followed by verification.
 

@@ -61,6 +61,7 @@ TESTS = (
     "tests/test_attention.py",
     "tests/test_ragged_attention.py",
     "tests/test_packing.py",
+    "tests/test_paged.py",
 )
 """The GPU-relevant test files (edit here)."""
 TEST_MARKS = "kernel or gpu"

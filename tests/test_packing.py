@@ -39,14 +39,20 @@ def test_packed_verify_equals_the_dense_forward_on_each_rows_tokens():
 def test_packed_verify_equals_the_dense_forward_through_the_ragged_kernel():
   # Head size 16 and 64 slots: the ragged kernel's preconditions hold, so both forwards attend
   # through it.
-  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=128)
-  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
-                                          feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
+  target = kernel_sized_target()
   probe = jax.ShapeDtypeStruct((4, 4, 4, 16), jnp.float32)
   assert attention.choose_cached(probe, jax.ShapeDtypeStruct((4, 2, 64, 16), jnp.float32)) == (
       "ragged")
   _check_packed_against_dense(target, slots=64)
+
+
+def kernel_sized_target():
+  """A tiny float32 target whose attention meets the ragged kernel's preconditions (head size
+  16), its features read by `tests.test_decoding.make_draft`'s drafts."""
+  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128)
+  return tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
+                                        feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
 
 
 def _check_packed_against_dense(target, slots):

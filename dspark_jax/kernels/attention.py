@@ -277,13 +277,31 @@ def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_l
     from dspark_jax.kernels import ragged_attention
     out, lse = ragged_attention.ragged_attention(q, cache_k.astype(q.dtype),
                                                  cache_v.astype(q.dtype), limits)
-    b, t, n, d = q.shape
-    heads = cache_k.shape[1]
-    by_head = lambda x: jnp.moveaxis(x.reshape(b, t, heads, n // heads, *x.shape[3:]), 1, 3)
-    prefix = by_head(lse), by_head(out.astype(jnp.float32))
+    prefix = kernel_part(out, lse, cache_k.shape[1])
   else:
-    prefix = over_cut_cache(lambda q, k, v, lim: _part(q, k, v, _limit_mask(lim, k.shape[2])),
-                            q, cache_k, cache_v, limits)
-  block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(cache_k.dtype),
-                jnp.swapaxes(block_v, 1, 2).astype(cache_v.dtype), block_mask)
+    prefix = over_cut_cache(limited_part, q, cache_k, cache_v, limits)
+  return join_block(q, prefix, block_k, block_v, block_mask, cache_k.dtype)
+
+
+def limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array):
+  """`_part` of [B, T, N, D] queries over head-major [B, K, S, D] keys/values, query (b, t)
+  seeing slots ``s < limits[b, t]``."""
+  return _part(q, k, v, _limit_mask(limits, k.shape[2]))
+
+
+def kernel_part(out: jax.Array, lse: jax.Array, heads: int):
+  """The ragged kernel's (out [B, T, N, D], lse [B, T, N]) as a softmax part (lse, out) laid out
+  by kv head, [B, K, G, T] and [B, K, G, T, D] float32 (`_part`'s layout)."""
+  b, t, n = lse.shape
+  by_head = lambda x: jnp.moveaxis(x.reshape(b, t, heads, n // heads, *x.shape[3:]), 1, 3)
+  return by_head(lse), by_head(out.astype(jnp.float32))
+
+
+def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
+               block_mask: jax.Array, kv_dtype) -> jax.Array:
+  """A cache prefix's softmax part joined with the part of the queries' own block: token-major
+  [B, T', K, D] `block_k` / `block_v` (cast to `kv_dtype`) where `block_mask` [B, T, T'] holds
+  -> [B, T, N, D] in q's dtype."""
+  block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(kv_dtype),
+                jnp.swapaxes(block_v, 1, 2).astype(kv_dtype), block_mask)
   return _join(prefix, block, q.dtype)

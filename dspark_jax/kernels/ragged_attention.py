@@ -21,8 +21,11 @@ Layout and work split:
   writes float32 partials (running max m, sum l, unnormalised output acc) and XLA combines them
   (`_combine`). A split with nothing to do writes m = -inf, l = 0, acc = 0.
 * The KV loop has a dynamic trip count and loads each block from the whole cache by a computed
-  start slot (`_block_start`), the hook where a block table (paged KV) would map (row, logical
-  block) to a physical block.
+  address (`_block_address`): (row b, slot ``j·block_kv``) in a contiguous cache, or, with a
+  ``block_table`` (paged KV, `dspark_jax.paging`), page ``block_table[b, j·block_kv // page_size]``
+  of a page pool [num_pages, K, page_size, D] at offset ``j·block_kv mod page_size``. A contiguous
+  cache [B, K, S, D] is the pool of B pages of S slots with the table ``[[0], [1], ...]``; it is
+  run without a table (no table load per block).
 
 Scores and the softmax run in float32 with scale 1/sqrt(D); the probabilities are rounded to the
 value dtype before the second product, as in `attend_xla`. Slots at or past a row's length are
@@ -60,27 +63,47 @@ def default_splits(batch: int, kv_heads: int, slots: int, block_kv: int) -> int:
   return max(1, min(-(-WAVES * SMS // (batch * kv_heads)), slots // block_kv))
 
 
+def paged_block(page_size: int) -> int:
+  """The default KV block over pages of `page_size` slots: the largest power of two <= 64
+  (`DEFAULT_BLOCK_KV`) dividing it (at least 16 where the page size is a multiple of 16)."""
+  return min(DEFAULT_BLOCK_KV, page_size & -page_size)
+
+
 def default_stages(block_kv: int) -> int:
   """Software-pipeline depth of the KV loop: 4 blocks in flight of up to 64 slots, else 3 (shared
   memory holds ``stages · block_kv · D`` keys and values)."""
   return 4 if block_kv <= 64 else 3
 
 
-def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV) -> str | None:
+def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV,
+                 block_table=None) -> str | None:
   """The first failed precondition of `ragged_attention` on these arrays, in words, or None.
 
-  q [B, T, N, D]; k (and v, if given) [B, K, S, D]. Requires: those ranks and matching B and D; v
-  shaped as k; N a multiple of K; D a power of two in 16..256; `block_kv` a power of two >= 16
-  dividing S; q, k, v all of one dtype among bfloat16, float16, float32; the query tile
-  ``P = query_rows(T, N / K)`` at most `MAX_ROWS`.
+  q [B, T, N, D]; k (and v, if given) [B, K, S, D], or with a `block_table` [B, M] (integer)
+  page pools [num_pages, K, page_size, D]. Requires: those ranks and matching B and D; v shaped as
+  k; N a multiple of K; D a power of two in 16..256; `block_kv` a power of two >= 16 dividing S
+  (the page size, with a table); a page pool of fewer than 2^31 elements; q, k, v all of one
+  dtype among bfloat16, float16, float32; the query tile ``P = query_rows(T, N / K)`` at most
+  `MAX_ROWS`.
   """
+  paged = block_table is not None
   if q.ndim != 4 or k.ndim != 4:
-    return f"q must be [B, T, N, D] and k [B, K, S, D], got shapes {q.shape} and {k.shape}"
+    layout = "[num_pages, K, page_size, D]" if paged else "[B, K, S, D]"
+    return f"q must be [B, T, N, D] and k {layout}, got shapes {q.shape} and {k.shape}"
   b, t, n, d = q.shape
   kb, heads, slots, kd = k.shape
   if v is not None and v.shape != k.shape:
     return f"v shape {v.shape} differs from k shape {k.shape}"
-  if kb != b or kd != d:
+  if paged:
+    if len(block_table.shape) != 2 or block_table.shape[0] != b:
+      return f"block_table shape {tuple(block_table.shape)} is not [B, pages] with B={b}"
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+      return f"block_table dtype {jnp.dtype(block_table.dtype).name} is not an integer type"
+    if kd != d:
+      return f"q {q.shape} and the page pool {k.shape} disagree on the head size"
+    if math.prod(k.shape) >= 2 ** 31:
+      return f"the page pool {k.shape} has 2^31 elements or more (int32 offsets)"
+  elif kb != b or kd != d:
     return f"q {q.shape} and k {k.shape} disagree on the batch or the head size"
   if heads < 1 or n % heads:
     return f"query heads N={n} are not a multiple of kv heads K={heads}"
@@ -89,6 +112,8 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV) -> str | Non
   if block_kv < 16 or block_kv & (block_kv - 1):
     return f"block_kv={block_kv} is not a power of two >= 16"
   if slots % block_kv:
+    if paged:
+      return f"page_size={slots} is not a multiple of block_kv={block_kv}"
     return f"cache slots S={slots} are not a multiple of block_kv={block_kv}"
   dtypes = [jnp.dtype(x.dtype) for x in (q, k) + ((v,) if v is not None else ())]
   if dtypes[0] not in [jnp.dtype(x) for x in DTYPES]:
@@ -102,27 +127,37 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV) -> str | Non
   return None
 
 
-def _block_start(b, j, block_kv: int):
-  """The first cache slot of row `b`'s logical KV block `j` (contiguous cache: ``j·block_kv``;
-  a paged cache would read a block table here)."""
-  del b
-  return j * block_kv
+def _block_address(b, j, table_ref, block_kv: int, page_size: int, num_pages: int):
+  """(first index, slot) in k_ref / v_ref of row `b`'s logical KV block `j`: ``(b, j·block_kv)``
+  in a contiguous cache (no table); with a block table, the block's page (clipped into the pool,
+  so no table entry can address memory outside it) and its offset in that page."""
+  first = j * block_kv
+  if table_ref is None:
+    return b, first
+  page = table_ref[b, first // page_size]
+  return jnp.clip(page, 0, num_pages - 1), first % page_size
 
 
-def _kernel(limits_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, groups: int, block_kv: int,
-            splits: int, scale: float):
+def _kernel(*refs, rows: int, groups: int, block_kv: int, splits: int, scale: float,
+            paged: bool):
   """One (row b, kv head h, split) instance.
 
-  Inputs (whole, indexed here): limits_ref [B, T] int32, q_ref [B, T, N, D], k_ref and v_ref
-  [B, K, S, D]. Query row p < T·G of the tile is query ``t = p // G`` of head ``h·G + p % G``;
-  rows past T·G are padding, computed as a copy of row ``p mod T·G`` (so a store of the whole
-  tile writes each of those addresses with one value).
+  Inputs (whole, indexed here): limits_ref [B, T] int32, with `paged` table_ref [B, M] int32,
+  then q_ref [B, T, N, D], k_ref and v_ref [B, K, S, D] (with `paged`: page pools
+  [num_pages, K, page_size, D], the row's logical capacity being ``M·page_size``). Query row
+  p < T·G of the tile is query ``t = p // G`` of head ``h·G + p % G``; rows past T·G are padding,
+  computed as a copy of row ``p mod T·G`` (so a store of the whole tile writes each of those
+  addresses with one value).
   Outputs: with one split, out_ref [B, T, N, D] (q's dtype) and lse_ref [B, T, N] float32, final;
   else the float32 partials m_ref, l_ref [B, K, splits, P] and acc_ref [B, K, splits, P, D].
   """
+  limits_ref, *refs = refs
+  table_ref = refs.pop(0) if paged else None
+  q_ref, k_ref, v_ref, *out_refs = refs
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_count, d = q_ref.shape[1], q_ref.shape[3]
-  slots_total = k_ref.shape[2]
+  page_size, num_pages = k_ref.shape[2], k_ref.shape[0]
+  slots_total = table_ref.shape[1] * page_size if paged else page_size
   p = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   source = p % (t_count * groups)      # a padding row repeats a real row: same inputs, same result
   t = source // groups
@@ -143,10 +178,10 @@ def _kernel(limits_ref, q_ref, k_ref, v_ref, *out_refs, rows: int, groups: int, 
 
   def body(j, carry):
     m, l, acc = carry
-    start = _block_start(b, j, block_kv)
+    first, start = _block_address(b, j, table_ref, block_kv, page_size, num_pages)
     slots = j * block_kv + lanes                             # logical slots of the block
     inside = jnp.broadcast_to((slots < length)[:, None], (block_kv, d))
-    window = (b, h, pl.ds(start, block_kv), slice(None))
+    window = (first, h, pl.ds(start, block_kv), slice(None))
     keys = plgpu.load(k_ref.at[window], mask=inside, other=0.0)
     values = plgpu.load(v_ref.at[window], mask=inside, other=0.0)
     scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
@@ -206,16 +241,24 @@ def _compiler_params(num_warps, num_stages):
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "splits", "num_warps", "num_stages",
                                              "interpret"))
-def ragged_attention(q, k, v, limits, *, block_kv=None, splits=None, num_warps=None,
-                     num_stages=None, interpret=False) -> tuple[jax.Array, jax.Array]:
+def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits=None,
+                     num_warps=None, num_stages=None, interpret=False
+                     ) -> tuple[jax.Array, jax.Array]:
   """[B, T, N, D] queries over head-major [B, K, S, D] keys/values, each up to its own limit.
 
   Args:
     q: [B, T, N, D]; query head h reads kv head ``h // (N // K)``.
-    k, v: [B, K, S, D], the dtype of q (`precondition` lists the rest).
+    k, v: [B, K, S, D], the dtype of q (`precondition` lists the rest); with `block_table`, page
+      pools [num_pages, K, page_size, D].
     limits: [B, T] int: query (b, t) sees cache slots ``s < limits[b, t]`` (clipped to 0..S;
       0 = nothing: zeros). Slots at or past ``max_t limits[b, t]`` are never read.
-    block_kv: slots per KV block (default 64); a power of two >= 16 dividing S.
+    block_table: None (a contiguous cache), or [B, M] int: logical slot s of row b lives in page
+      ``block_table[b, s // page_size]`` at offset ``s mod page_size`` (S = M·page_size). Only
+      the entries of pages holding slots below the row's longest limit are read; an entry outside
+      0..num_pages-1 there is clipped into the pool (the caller checks tables:
+      `dspark_jax.paging.cache.check_table`).
+    block_kv: slots per KV block (default 64; with a table `paged_block`); a power of two >= 16
+      dividing S (the page size, with a table).
     splits: instances per (row, kv head) sharing a row's blocks (default `default_splits`).
     num_warps, num_stages: Triton compiler settings (None: `DEFAULT_WARPS`, `default_stages`).
     interpret: run in Pallas' interpreter (CPU).
@@ -228,12 +271,14 @@ def ragged_attention(q, k, v, limits, *, block_kv=None, splits=None, num_warps=N
   Raises:
     ValueError: naming the failed precondition.
   """
-  block_kv = block_kv or DEFAULT_BLOCK_KV
-  failed = precondition(q, k, v, block_kv=block_kv)
+  paged = block_table is not None
+  block_kv = block_kv or (paged_block(k.shape[2]) if paged else DEFAULT_BLOCK_KV)
+  failed = precondition(q, k, v, block_kv=block_kv, block_table=block_table)
   if failed:
     raise ValueError(f"ragged_attention: precondition failed: {failed}")
   b, t, n, d = q.shape
-  heads, slots = k.shape[1], k.shape[2]
+  heads = k.shape[1]
+  slots = block_table.shape[1] * k.shape[2] if paged else k.shape[2]
   if limits.shape != (b, t):
     raise ValueError(f"ragged_attention: limits shape {limits.shape} is not [B, T] = {(b, t)}")
   groups = n // heads
@@ -244,7 +289,7 @@ def ragged_attention(q, k, v, limits, *, block_kv=None, splits=None, num_warps=N
   if splits < 1:
     raise ValueError(f"ragged_attention: splits={splits} is not positive")
   kernel = functools.partial(_kernel, rows=rows, groups=groups, block_kv=block_kv, splits=splits,
-                             scale=1.0 / math.sqrt(d))
+                             scale=1.0 / math.sqrt(d), paged=paged)
   if splits == 1:
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
@@ -254,12 +299,12 @@ def ragged_attention(q, k, v, limits, *, block_kv=None, splits=None, num_warps=N
   outs = pl.pallas_call(
       kernel,
       grid=(b, heads, splits),
-      in_specs=[pl.no_block_spec] * 4,
+      in_specs=[pl.no_block_spec] * (5 if paged else 4),
       out_specs=[pl.no_block_spec] * len(out_shape),
       out_shape=out_shape,
       compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
-  )(limits.astype(jnp.int32), q, k, v)
+  )(limits.astype(jnp.int32), *((block_table.astype(jnp.int32),) if paged else ()), q, k, v)
   if splits == 1:
     return tuple(outs)
   out, lse = _combine(*outs)

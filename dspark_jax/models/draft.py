@@ -41,6 +41,7 @@ from dspark_jax import validation
 from dspark_jax.draft import heads
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.paging import cache as paging
 from dspark_jax.parallel import layout
 
 
@@ -152,17 +153,26 @@ class DSparkDraft(nnx.Module):
     Args:
       features: [B, T, F] target features at those positions (`TargetModel.__call__`).
       positions: [B, T] int absolute positions, consecutive within a row.
-      context: the cache from `init_context` or a previous call.
+      context: the cache from `init_context` or a previous call, or a paged context
+        (`dspark_jax.paging.cache.paged_context`: written through its block table).
     """
     states = self.context_inputs(features)
     start = positions[:, 0]
+    paged = isinstance(context, paging.PagedKV)
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None],
+                            positions.shape)
     out = {"k": [], "v": []}
     for i, layer in enumerate(self.layers):
-      k, v = layer.attention.keys_values(states, positions)
-      out["k"].append(layout.constrain_cache(layers.write_heads(context["k"][i], k, start),
-                                             self.plan))
-      out["v"].append(layout.constrain_cache(layers.write_heads(context["v"][i], v, start),
-                                             self.plan))
+      kv = dict(zip("kv", layer.attention.keys_values(states, positions)))
+      for name in "kv":
+        pools = getattr(context, name) if paged else context[name]
+        if paged:
+          out[name].append(paging.write(pools[i], context.table, rows, positions, kv[name]))
+        else:
+          out[name].append(layout.constrain_cache(layers.write_heads(pools[i], kv[name], start),
+                                                  self.plan))
+    if paged:
+      return dataclasses.replace(context, k=tuple(out["k"]), v=tuple(out["v"]))
     return {name: tuple(arrays) for name, arrays in out.items()}
 
   def __call__(self, target: tm.TargetModel, anchor: jax.Array, anchor_pos: jax.Array,
@@ -172,7 +182,8 @@ class DSparkDraft(nnx.Module):
     Args:
       target: the target whose embedding and LM head the draft shares.
       anchor: [B] int, the last committed token. anchor_pos: [B] int, its absolute position.
-      context: the context cache; slots before `anchor_pos` must hold the committed context.
+      context: the context cache (or a paged one, `dspark_jax.paging.cache.PagedKV`); slots
+        before `anchor_pos` must hold the committed context.
 
     Returns:
       base_logits [B, γ, V] (compute dtype) and hidden [B, γ, E].
@@ -187,6 +198,9 @@ class DSparkDraft(nnx.Module):
     block_mask = jnp.ones((batch, gamma, gamma), bool)                  # bidirectional
     for i, layer in enumerate(self.layers):
       def gather_kv(k, v, i=i):
+        if isinstance(context, paging.PagedKV):
+          return layers.PagedPrefix(context.k[i], context.v[i], anchor_pos, block_mask,
+                                    context.table), None
         return layers.CachePrefix(context["k"][i], context["v"][i], anchor_pos, block_mask), None
       x, _ = layer(x, positions, gather_kv)
     hidden = self.final_norm(x)

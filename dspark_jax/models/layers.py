@@ -35,6 +35,7 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.kernels import attention
+from dspark_jax.kernels import paged_attention
 
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -333,22 +334,42 @@ class Attention(nnx.Module):
   def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
     """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): laid out per row as
     [B, width] queries, attended as `attend_limited`, and gathered back."""
-    batch, width = source.limits.shape
-    _, n, heads, d = q.shape
-    dense = jnp.zeros((batch, width, heads, d), q.dtype).at[source.rows, source.slots].set(
-        q[0], mode="drop")
-    out = attention.attend_limited(dense, source.keys, source.values, source.limits)
-    out = out.at[source.rows, source.slots].get(mode="fill", fill_value=0)
-    return self.o_proj(out.reshape(1, n, heads * d))
+    attend = lambda dense: attention.attend_limited(dense, source.keys, source.values,
+                                                    source.limits)
+    return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
+
+  def attend_paged(self, q: jax.Array, source: "PagedUpTo") -> jax.Array:
+    """Attention of [B, T, N, D] queries (or packed [1, N', N, D] ones, when `source` has rows)
+    over a paged cache read through its block table (`kernels.paged_attention.attend_paged`)."""
+    attend = lambda dense: paged_attention.attend_paged(dense, source.keys, source.values,
+                                                        source.table, source.limits)
+    if source.rows is None:
+      b, t, n, d = q.shape
+      return self.o_proj(attend(q).reshape(b, t, n * d))
+    return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
 
   def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
                     v: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over `source`'s cache prefix and this call's own
     token-major keys/values [B, T, K, D] (`kernels.attention.attend_cached`)."""
     b, t, n, d = q.shape
-    out = attention.attend_cached(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
-                                  source.block_mask)
+    if isinstance(source, PagedPrefix):
+      out = paged_attention.attend_cached_paged(q, source.cache_k, source.cache_v, source.table,
+                                                source.prefix_len, k, v, source.block_mask)
+    else:
+      out = attention.attend_cached(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
+                                    source.block_mask)
     return self.o_proj(out.reshape(b, t, n * d))
+
+
+def _per_row(attend, q: jax.Array, rows: jax.Array, slots: jax.Array, shape) -> jax.Array:
+  """Packed [1, N, heads, D] queries laid out per row as [B, width] = `shape` queries (token i at
+  (``rows[i]``, ``slots[i]``); row B drops it), attended by ``attend(dense)``, and gathered back
+  -> [1, N, heads·D] (zeros for dropped tokens)."""
+  _, n, heads, d = q.shape
+  dense = jnp.zeros((*shape, heads, d), q.dtype).at[rows, slots].set(q[0], mode="drop")
+  out = attend(dense).at[rows, slots].get(mode="fill", fill_value=0)
+  return out.reshape(1, n, heads * d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +405,22 @@ class PackedCache:
 
 
 @dataclasses.dataclass(frozen=True)
+class PagedUpTo:
+  """What a layer attends to in a paged cache (`dspark_jax.paging.cache`): page pools
+  [num_pages, K, page_size, D] `keys` / `values` read through the block table [B, M] `table`,
+  query (b, t) seeing logical positions ``p < limits[b, t]`` ([B, T] int), as `CacheUpTo`. With
+  `rows` and `slots` ([N] int), the queries are packed tokens laid out per row as `PackedCache`'s
+  ([B, width] `limits`)."""
+
+  keys: jax.Array
+  values: jax.Array
+  table: jax.Array
+  limits: jax.Array
+  rows: jax.Array | None = None
+  slots: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CachePrefix:
   """What a layer attends to, in two parts that are never concatenated: slots
   ``0 .. prefix_len_b - 1`` of a head-major [B, K, S, D] cache `cache_k` / `cache_v` ([B]
@@ -393,6 +430,14 @@ class CachePrefix:
   cache_v: jax.Array
   prefix_len: jax.Array
   block_mask: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPrefix(CachePrefix):
+  """`CachePrefix` with the cache in page pools [num_pages, K, page_size, D] (`cache_k`,
+  `cache_v`) read through the block table [B, M] `table` (the draft's paged context)."""
+
+  table: jax.Array = None
 
 
 class MLP(nnx.Module):
@@ -418,10 +463,11 @@ class DecoderLayer(nnx.Module):
   """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
   The caller says what to attend to (`__call__` takes a function that maps this layer's own
-  keys/values to a `Full`, `CacheUpTo`, `PackedCache` or `CachePrefix` source), so the same layer
-  serves the target (causal attention over its KV cache, `CacheUpTo`; packed verify tokens,
-  `PackedCache`; without a cache, `Full`) and the draft (its context cache read in place plus the
-  bidirectional block, `CachePrefix`).
+  keys/values to a `Full`, `CacheUpTo`, `PackedCache`, `PagedUpTo` or `CachePrefix` (or
+  `PagedPrefix`) source), so the same layer serves the target (causal attention over its KV cache,
+  `CacheUpTo`; packed verify tokens, `PackedCache`; a paged cache, `PagedUpTo`; without a cache,
+  `Full`) and the draft (its context cache read in place plus the bidirectional block,
+  `CachePrefix`, or `PagedPrefix` over a paged context).
   """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -444,6 +490,8 @@ class DecoderLayer(nnx.Module):
       x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
     elif isinstance(source, PackedCache):
       x = x + self.attention.attend_packed(q, source)
+    elif isinstance(source, PagedUpTo):
+      x = x + self.attention.attend_paged(q, source)
     else:
       x = x + self.attention.attend(q, source.keys, source.values, source.mask)
     return x + self.mlp(self.post_norm(x)), aux

@@ -4,8 +4,10 @@ This module owns the target language model: token embedding, a stack of `layers.
 causal attention over a per-layer KV cache, the final RMSNorm and the LM head (tied to the embedding or
 its own matrix). One call processes T new tokens per row at given absolute positions: it writes their
 keys/values into the cache at those positions, and each query attends to every cache slot at or before
-its own position. Validity is purely positional, so rolling back rejected tokens needs no work: their
-slots lie beyond the committed length and are overwritten before any query can see them.
+its own position. The cache is contiguous (`init_cache`) or paged (`dspark_jax.paging.cache.PagedKV`,
+read and written through its block table). Validity is purely positional, so rolling back rejected
+tokens needs no work: their slots lie beyond the committed length and are overwritten before any
+query can see them.
 
 The call also returns the hidden states of configured layers (`TargetConfig.feature_layers`; index -1
 is the embedding output, i >= 0 the output of decoder layer i), concatenated on the feature axis: the
@@ -28,6 +30,7 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.models import layers
+from dspark_jax.paging import cache as paging
 from dspark_jax.parallel import layout
 
 
@@ -162,28 +165,57 @@ class TargetModel(nnx.Module):
     Args:
       tokens: [B, T] int token ids.
       positions: [B, T] int absolute positions; consecutive within a row (``start_b + t``).
-      cache: from `init_cache` (S slots; slot s holds the keys/values of position s).
+      cache: from `init_cache` (S slots; slot s holds the keys/values of position s), or a paged
+        cache (`dspark_jax.paging.cache.PagedKV` with B table rows: keys/values written and read
+        through its block table; a row without a page for a position writes nothing there).
 
     Returns:
       logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
     """
-    x = self.embed(tokens)
     start = positions[:, 0]
     limits = positions + 1                                              # causal: slots <= position
+    if isinstance(cache, paging.PagedKV):
+      rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
+      return self._paged(tokens, positions, cache, rows, positions, limits, None)
+
+    def gather_kv(i, k, v):
+      keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
+      values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
+      return layers.CacheUpTo(keys, values, limits), (keys, values)
+    logits, features, kv = self._run(tokens, positions, gather_kv)
+    return logits, features, {"k": kv[0], "v": kv[1]}
+
+  def _run(self, tokens: jax.Array, positions: jax.Array, gather_kv):
+    """The layers over [B, T] `tokens`, layer i attending to ``gather_kv(i, k, v)``'s source ->
+    logits, features and the per-layer caches ``(keys, values)`` (tuples) it returned."""
+    x = self.embed(tokens)
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      def gather_kv(k, v, i=i):
-        keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
-        values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
-        return layers.CacheUpTo(keys, values, limits), (keys, values)
-      x, (keys, values) = layer(x, positions, gather_kv)
+      x, (keys, values) = layer(x, positions, functools.partial(gather_kv, i))
       new_k.append(keys)
       new_v.append(values)
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     logits = self.logits(self.final_norm(x))
-    return logits, features, {"k": tuple(new_k), "v": tuple(new_v)}
+    return logits, features, (tuple(new_k), tuple(new_v))
+
+  def _paged(self, tokens, positions, cache, rows, write_positions, limits, slots):
+    """`__call__` / `packed` over a paged cache: keys/values written at (`rows`,
+    `write_positions`) through the block table, attention through it (`layers.PagedUpTo`)."""
+    if slots is None and cache.slots != tokens.shape[0]:
+      raise ValueError(f"cache: a paged cache of {cache.slots} slots (block table rows) for "
+                       f"{tokens.shape[0]} rows of tokens")
+
+    def gather_kv(i, k, v):
+      flat = slots is not None                    # packed: k [1, N, K, D] -> [N, K, D]
+      keys = paging.write(cache.k[i], cache.table, rows, write_positions, k[0] if flat else k)
+      values = paging.write(cache.v[i], cache.table, rows, write_positions, v[0] if flat else v)
+      source = layers.PagedUpTo(keys, values, cache.table, limits,
+                                rows if flat else None, slots)
+      return source, (keys, values)
+    logits, features, kv = self._run(tokens, positions, gather_kv)
+    return logits, features, dataclasses.replace(cache, k=kv[0], v=kv[1])
 
 
   def packed(self, tokens: jax.Array, rows: jax.Array, slots: jax.Array, positions: jax.Array,
@@ -200,32 +232,30 @@ class TargetModel(nnx.Module):
     (`kernels.attention.attend_limited`, queries laid out per row).
 
     Args:
-      tokens, rows, slots, positions: [N] int. cache: from `init_cache`. width: static slots per row.
+      tokens, rows, slots, positions: [N] int. cache: from `init_cache`, or a paged cache
+        (`dspark_jax.paging.cache.PagedKV`, B table rows). width: static slots per row.
 
     Returns:
       logits [N, V], features [N, len(feature_layers) * E], the updated cache.
     """
-    batch = cache["k"][0].shape[0]
+    paged = isinstance(cache, paging.PagedKV)
+    batch = cache.slots if paged else cache["k"][0].shape[0]
     limits = jnp.zeros((batch, width), jnp.int32).at[rows, slots].set(positions + 1, mode="drop")
-    x = self.embed(tokens[None])
-    saved = {-1: x}
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      def gather_kv(k, v, i=i):
-        keys = cache["k"][i].at[rows, :, positions].set(k[0].astype(cache["k"][i].dtype),
+    if paged:
+      logits, features, cache = self._paged(tokens[None], positions[None], cache, rows, positions,
+                                            limits, slots)
+      return logits[0], features[0], cache
+
+    def gather_kv(i, k, v):
+      keys = cache["k"][i].at[rows, :, positions].set(k[0].astype(cache["k"][i].dtype),
+                                                      mode="drop")
+      values = cache["v"][i].at[rows, :, positions].set(v[0].astype(cache["v"][i].dtype),
                                                         mode="drop")
-        values = cache["v"][i].at[rows, :, positions].set(v[0].astype(cache["v"][i].dtype),
-                                                          mode="drop")
-        keys = layout.constrain_cache(keys, self.plan)
-        values = layout.constrain_cache(values, self.plan)
-        return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
-      x, (keys, values) = layer(x, positions[None], gather_kv)
-      new_k.append(keys)
-      new_v.append(values)
-      saved[i] = x
-    features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
-    logits = self.logits(self.final_norm(x))
-    return logits[0], features[0], {"k": tuple(new_k), "v": tuple(new_v)}
+      keys = layout.constrain_cache(keys, self.plan)
+      values = layout.constrain_cache(values, self.plan)
+      return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
+    logits, features, kv = self._run(tokens[None], positions[None], gather_kv)
+    return logits[0], features[0], {"k": kv[0], "v": kv[1]}
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
