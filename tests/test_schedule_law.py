@@ -19,7 +19,9 @@ p < α = 1e-4. The throughput profiles (R rows, n = 0..R·(γ + 1)):
   admission, and peaks at the third); for R > 1 the smooth profile with sps[R + max(2, R // 2)]
   halved, a dip after the first admissions;
 * cliff (R = 1): sps = [·, 1, 0.5, 0.34, 0.3]: only the third admission can beat none;
-* capped: the smooth profile cut at 2R + 1 entries (at most R drafts verified per round in all).
+* capped: the smooth profile cut at 2R + 1 entries (at most R drafts verified per round in all);
+* buckets: a step table (token counts rounded up to buckets of max(2, R)), where `prefix` tests
+  each admission against the best Θ of its plateau.
 
 What a decision may read. ``verify_lens = 1 + ℓ`` feeds the anchor and ℓ drafts to the target, whose
 ℓ + 1 rows check drafts 1..ℓ + 1 (draft ℓ + 1, when accepted, is the bonus). So x_j is checked iff
@@ -106,11 +108,20 @@ def cliff(rows):
   return np.array([0.0, 1.0, 0.5, 0.34, 0.3])
 
 
+def buckets(rows):
+  # A packed verify's step table: token counts rounded up to buckets of max(2, rows) tokens, each
+  # costing as the smooth profile's bucket end; plateaus of equal values (`prefix`'s plateau test).
+  step = max(2, rows)
+  n = np.arange(rows * 4 + 1)
+  return 1.0 / (rows + step * np.ceil(n / step))
+
+
 def capped(rows):
   return smooth(rows)[:2 * rows + 1]
 
 
-PROFILES = {"smooth": smooth, "jagged": jagged, "capped": capped, "cliff": cliff}
+PROFILES = {"smooth": smooth, "jagged": jagged, "capped": capped, "cliff": cliff,
+            "buckets": buckets}
 
 
 def scheduled_decode(toy, schedule, rows, seed, *, n=N, warm=2, fresh_keys=True):
@@ -169,7 +180,7 @@ def compiled():
 CASES = [  # (schedule, rows per group, profile)
     ("prefix", 1, "smooth"), ("prefix", 1, "jagged"), ("prefix", 4, "smooth"),
     ("prefix", 4, "jagged"), ("prefix", 64, "smooth"), ("prefix", 64, "jagged"),
-    ("prefix", 16, "capped"),
+    ("prefix", 16, "capped"), ("prefix", 1, "buckets"), ("prefix", 4, "buckets"),
     ("top_k", 1, "smooth"), ("top_k", 1, "jagged"), ("top_k", 1, "cliff"), ("top_k", 4, "jagged"),
     ("top_k", 64, "smooth"), ("top_k", 64, "jagged"), ("top_k", 16, "capped"),
     ("top_k_lag1", 1, "jagged"), ("top_k_lag1", 4, "jagged"), ("threshold", 4, None),

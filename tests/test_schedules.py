@@ -48,7 +48,10 @@ def ref_order(a, active):
 
 
 def ref_prefix(c, active, sps, margins=None):
-  """Algorithm 1: admit in order while Θ improves; stop at the first admission that does not."""
+  """Algorithm 1: admit in order while Θ improves; stop at the first admission that does not. On a
+  plateau of equal sps values the test is the Θ the plateau reaches when its remaining tokens are
+  admitted with the admission's survival, against the best Θ reached so far (without equal
+  neighbours: Algorithm 1's own test)."""
   sps = np.asarray(sps, np.float32)
   a = ref_survivals(c)
   batch = int(np.sum(active))
@@ -59,12 +62,16 @@ def ref_prefix(c, active, sps, margins=None):
     if batch + 1 >= len(sps):  # an admission that would reach len(sps) tokens is not made
       break
     batch += 1
-    tau = np.float32(tau + a[r, j])
-    theta = np.float32(tau * sps[batch])
+    end = batch
+    while end + 1 < len(sps) and sps[end + 1] == sps[batch]:
+      end += 1
+    reach = np.float32(np.float32(tau + np.float32(a[r, j] * np.float32(end - batch + 1)))
+                       * sps[batch])
     if margins is not None:
-      margins.append(abs(float(theta) - float(best)) / float(best))
-    if theta > best:
-      best = theta
+      margins.append(abs(float(reach) - float(best)) / float(best))
+    if reach > best:
+      tau = np.float32(tau + a[r, j])
+      best = max(best, np.float32(tau * sps[batch]))
       ell[r] = j + 1  # the paper's ℓ_r ← j (1-based)
     else:
       break
@@ -148,7 +155,10 @@ def profiles(rows, gamma, rng):
   dip[rows + 1] = np.round(dip[rows + 1] * 0.5 * 16) / 16
   short = smooth[:max(2, rows + 2)]
   tiny = smooth[:2]
-  return {"smooth": smooth, "jagged": jagged, "dip": dip, "short": short, "tiny": tiny}
+  buckets = smooth.copy()
+  buckets[1:] = smooth[np.minimum(2 * np.ceil(n[1:] / 2), n[-1]).astype(int)]  # plateaus of 2
+  return {"smooth": smooth, "jagged": jagged, "dip": dip, "short": short, "tiny": tiny,
+          "buckets": buckets}
 
 
 SHAPES = [(1, 4), (2, 1), (3, 2), (5, 4), (8, 3)]
@@ -451,3 +461,21 @@ def test_sps_table_bad_inputs(tmp_path):
   with pytest.raises(ValueError, match="shape"):
     S.load_sps(path)
   assert schedules.load_sps is S.load_sps
+
+
+def test_prefix_fills_token_buckets_instead_of_stalling_at_their_boundary():
+  # A packed verify's measured step table (B = 16, γ = 7, H200 buckets of 16..128 tokens, verifies/s)
+  # and survivals that make every draft worth checking: Algorithm 1's plain test stops at the first
+  # bucket boundary (one admission cannot pay for the next bucket's drop); the plateau test fills
+  # the buckets, here to the whole block, as the lagged top-K's argmax does.
+  rows, gamma = 16, 7
+  measured = {16: 199.0, 32: 186.3, 48: 180.5, 64: 176.8, 96: 159.2, 128: 159.9}
+  sps = np.array([0.0] + [measured[min(b for b in measured if b >= n)]
+                          for n in range(1, rows * (gamma + 1) + 1)])
+  c = np.broadcast_to(np.float32([0.82, 0.78, 0.74, 0.70, 0.65, 0.60, 0.55]), (rows, gamma))
+  active = np.ones(rows, bool)
+  lens = batched(S.prefix(sps), c[None], active[None])[0]
+  np.testing.assert_array_equal(lens, ref_prefix(c, active, sps))
+  assert np.all(lens == gamma + 1)
+  budget = batched(S.top_k(sps, lag=0), c[None], active[None])[0]
+  assert np.all(budget == gamma + 1)

@@ -38,7 +38,14 @@ to τ, Θ_k = τ_k·sps[A + k]. An admission that would reach ``len(sps)`` token
 * `prefix`: Algorithm 1: admissions are kept while each raises Θ above the best so far; the walk
   stops at the first that does not. Whether (r, j) is admitted therefore reads only survivals ranked
   up to it, which depend on x_{r,<j} and on other rows, never on x_{r,j} itself: it is
-  non-anticipating, hence lossless.
+  non-anticipating, hence lossless. **Plateaus.** A packed verify's cost is a step function of the
+  batch tokens (one value per token bucket), and there Algorithm 1's test stalls at the first
+  bucket boundary: one admission adds at most 1 to τ but costs the whole next bucket's drop. So
+  the test of the k-th admission compares, instead of Θ_k, the Θ its plateau (the run of equal
+  ``sps`` values it falls in) would reach if the plateau's remaining tokens were admitted with the
+  k-th survival (an upper bound: later survivals are not larger); the best so far is still the
+  largest Θ actually reached. On a table without equal neighbours this is exactly Algorithm 1's
+  test, and it reads the same survivals (those ranked up to the admission), so it is as lossless.
 * `top_k`: the production variant (§5.2): a budget K = the first argmax over k of Θ_k with no early
   stop, computed on the survivals of `lag` rounds ago (all ones until `lag` rounds have run), then
   the K first pairs of the admission order on *current* survivals. K does not depend on the current
@@ -299,7 +306,15 @@ def _prefix_lens(c: jax.Array, active: jax.Array, table: jax.Array, limit: jax.A
   sorted_a, rank, count = _admission_order(a, candidate)
   n_active = jnp.sum(active, dtype=jnp.int32)
   theta, possible = _throughput_path(sorted_a, count, n_active, table, limit)
-  better = possible[1:] & (theta[1:] > theta[:-1])
+  # The k-th admission's test (module docstring, Plateaus): the Θ its plateau of `table` reaches
+  # when the plateau's tokens up to its end are admitted with survival a_k.
+  index = jnp.arange(table.shape[0], dtype=jnp.int32)
+  last = (index + 1 >= limit) | (table != jnp.roll(table, -1))
+  plateau_end = jax.lax.cummin(jnp.where(last, index, table.shape[0]), reverse=True)
+  tokens = jnp.clip(n_active + jnp.arange(1, theta.shape[0], dtype=jnp.int32), 0, table.shape[0] - 1)
+  tau_before = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))[:-1]
+  reach = (tau_before + sorted_a * (plateau_end[tokens] - tokens + 1)) * table[tokens]
+  better = possible[1:] & (reach > jax.lax.cummax(theta[:-1]))
   made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
   return _lengths(candidate & (rank < made), active)
 
