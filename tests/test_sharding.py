@@ -23,9 +23,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dspark_jax as dj
 from dspark_jax.formats import qwen3
 from dspark_jax.formats import safetensors_io
+from dspark_jax.kernels import dispatch
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
 from dspark_jax.models import target as tm
+from dspark_jax.paging import cache as paging
+from dspark_jax.parallel import layout
 from dspark_jax.testing import law_checks
 from dspark_jax.testing import toy_markov
 from tests import stats
@@ -186,3 +189,73 @@ def test_sharded_sampling_and_verification_follow_the_exact_law():
   stats.assert_rejects(counts, wrong, what="sharded verify against the untruncated law")
   one_device = toy_markov.speculative_decode(base, params, key, start, length, verify_lens=lens)
   np.testing.assert_array_equal(trace.tokens, one_device.tokens)
+
+
+def test_mulhi_is_exact_in_sharded_programs_and_one_device_keeps_jax_lowering():
+  """`layout.partitionable_mulhi`: programs over 2 devices lower ``lax.mulhi`` by half-width
+  parts, exactly (extremes and random pairs against Python integers); one-device programs keep
+  JAX's ``chlo.mulhi``."""
+  assert layout._MULHI_RULE is not False
+  rng = np.random.default_rng(0)
+  mesh = dj.make_mesh(2)
+  mulhi = jax.jit(jax.lax.mulhi)
+  for dtype in (np.uint32, np.int32, np.uint8, np.int16):
+    info = np.iinfo(dtype)
+    edges = [info.min, info.max, 0, 1, info.max, info.min, -1 if info.min else 2, info.max]
+    x = np.concatenate([rng.integers(info.min, info.max, 56, endpoint=True), edges]).astype(dtype)
+    y = np.concatenate([rng.integers(info.min, info.max, 56, endpoint=True),
+                        edges[::-1]]).astype(dtype)
+    bits = 8 * np.dtype(dtype).itemsize
+    want = np.array([(int(a) * int(b)) >> bits for a, b in zip(x, y)]).astype(dtype)
+    xs, ys = (jax.device_put(v, NamedSharding(mesh, P(None, "tp"))) for v in (x[None], y[None]))
+    np.testing.assert_array_equal(mulhi(xs, ys)[0], want, err_msg=dtype.__name__)
+    if layout._MULHI_RULE is not None:
+      assert "chlo.mulhi" in mulhi.lower(x, y).as_text()
+      assert "chlo.mulhi" not in mulhi.lower(xs, ys).as_text()
+
+
+def test_a_traced_sharded_draft_still_counts_its_devices(pair):
+  """Under the user's own jit the head's W2 is a tracer (one device, by its sharding); the plan
+  the sharded draft records keeps the kernels' one-device precondition in force."""
+  target, draft = pair
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(2))
+  params = dj.SamplingParams(temperature=0.0, batch_size=2)
+  tokens = np.array([[1, 2], [3, 4]], np.int32)
+  propose = nnx.jit(lambda t, d: dj.draft_proposal(t, d, tokens, params, jax.random.key(0),
+                                                   greedy_only=True, backend="triton").tokens)
+  with pytest.raises(ValueError, match="precondition failed: the block lives on one device"):
+    propose(sharded_target, sharded_draft)
+  assert layout.plan_devices(sharded_draft.plan) == 2 and layout.plan_devices(None) is None
+  choice = dispatch.resolve("auto", None, **dict(_PROBLEM, devices=2))
+  assert choice.backend is dispatch.Backend.XLA
+
+
+_PROBLEM = dict(greedy_only=True, batch=8, vocab=VOCAB, rank=16, gamma=3, w2_dtype=jnp.float32,
+                logits_dtype=jnp.float32, head_kind="vanilla")
+
+
+def test_paged_caches_are_split_by_kv_head_and_give_one_devices_values(pair):
+  """Target prefill and draft context over paged pools [P, K, page_size, D] at TP = 2: the pools
+  come back split on K, and logits, features and pools equal one device's (up to float sums)."""
+  target, draft = pair
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(2))
+  b, prompt = 2, 5
+  tokens = jnp.asarray(np.arange(b * prompt).reshape(b, prompt) % VOCAB, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+  table = np.array([[3, 0], [1, 4]], np.int32)
+
+  @nnx.jit
+  def run(target, draft):
+    cache = paging.paged_cache(target.config, slots=b, num_pages=5, max_pages=2,
+                               page_size=16).with_table(table)
+    logits, features, cache = target(tokens, positions, cache)
+    context = draft.extend_context(features, positions, paging.paged_context(draft, cache))
+    return logits, features, cache.k + cache.v + context.k + context.v
+
+  want = run(target, draft)
+  got = run(sharded_target, sharded_draft)
+  split = NamedSharding(sharded_target.plan.mesh, P(None, "tp", None, None))
+  for pool in got[2]:
+    assert pool.sharding.is_equivalent_to(split, pool.ndim), pool.sharding
+  for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=2e-5)
