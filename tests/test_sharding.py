@@ -29,9 +29,12 @@ from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from dspark_jax.paging import cache as paging
 from dspark_jax.parallel import layout
+from dspark_jax.scheduling import schedules
 from dspark_jax.testing import law_checks
 from dspark_jax.testing import toy_markov
 from tests import stats
+from tests import test_decoding
+from tests import test_generate_schedules as schedule_tests
 
 VOCAB = 64
 SHAPE = layers.LayerShape(hidden_size=32, num_heads=8, num_kv_heads=8, head_dim=8,
@@ -259,3 +262,59 @@ def test_paged_caches_are_split_by_kv_head_and_give_one_devices_values(pair):
     assert pool.sharding.is_equivalent_to(split, pool.ndim), pool.sharding
   for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def scheduled_pair():
+  """V = 8, γ = 3 (test_generate_schedules' law pair): a draft whose confidence is a function of
+  the previous token, so the schedules' verify lengths vary by row and round."""
+  target = test_decoding.make_target(vocab=8, sharpness=2.5, seed=3)
+  draft = schedule_tests.with_token_confidence(test_decoding.make_draft(
+      target, schedule_tests.GAMMA, "vanilla", copy_bias=2.0, seed=4))
+  return target, draft
+
+
+def test_greedy_decoding_under_a_schedule_equals_one_device(scheduled_pair):
+  """`top_k` (lag 2) at TP = 2: the same greedy tokens and the same verify lengths each round."""
+  target, draft = scheduled_pair
+  schedule = schedules.top_k(schedule_tests.SMOOTH, lag=2)
+  params = dj.SamplingParams(temperature=0.0, batch_size=schedule_tests.ROWS)
+  prompts = [[1, 2, 3], [4, 5], [6, 7, 1, 2, 0], [3]]
+  run = lambda t, d: dj.generate(t, d, prompts, params, jax.random.key(1), max_new_tokens=9,
+                                 schedule=schedule, trace=True)
+  one, sharded = run(target, draft), run(*dj.shard(target, draft, dj.make_mesh(2)))
+  np.testing.assert_array_equal(sharded.tokens, one.tokens)
+  np.testing.assert_array_equal(sharded.trace.verify_lens, one.trace.verify_lens)
+  assert (one.trace.verify_lens[one.trace.active] < schedule_tests.GAMMA + 1).any()
+
+
+@pytest.mark.slow
+def test_sharded_decode_under_a_schedule_follows_the_target_law(scheduled_pair):
+  """N = 16,384 sampled 3-token decodes (T = 1) through `decode` at TP = 2 under Algorithm 1
+  (`prefix`, the jagged table): 4 rows (same prompt, own seeds) vmapped over 4,096 keys.
+  Statistic: Pearson chi-square of the three tokens over the 512 outcomes (small cells pooled)
+  against the target's exact law, threshold p >= 1e-4; power: the law at T = 0.6 is rejected at
+  p < 1e-6. The schedule verifies fewer than γ + 1 tokens per round on average."""
+  target, draft = scheduled_pair
+  rows, keys, prompt = schedule_tests.ROWS, 4096, [1, 5, 2]
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(2))
+  tokens = np.tile(np.array([prompt], np.int32), (rows, 1))
+  lens = np.full((rows,), len(prompt), np.int32)
+  params = dj.SamplingParams(temperature=1.0, batch_size=rows, seed=np.arange(rows))
+  schedule = schedules.prefix(schedule_tests.JAGGED)
+  (target_def, target_state), (draft_def, draft_state) = map(nnx.split, (sharded_target,
+                                                                          sharded_draft))
+  def one(target_state, draft_state, key):
+    return dj.decode(nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state),
+                     tokens, lens, params, key, max_new_tokens=3, schedule=schedule)
+  run = jax.jit(jax.vmap(one, in_axes=(None, None, 0)))
+  out = run(target_state, draft_state, jax.random.split(jax.random.key(7), keys))
+  samples = np.asarray(out.tokens).reshape(-1, 3)
+  assert samples.shape == (rows * keys, 3) and np.all(samples >= 0)
+  verify_tokens = np.asarray(out.row_verified).sum() / np.asarray(out.row_rounds).sum()
+  assert 1.0 < verify_tokens < schedule_tests.GAMMA + 1
+  counts = law_checks.outcome_counts(samples, 8)[:8, :8, :8]
+  exact = test_decoding._exact_first_three
+  stats.assert_law(counts, exact(target, prompt, 1.0), threshold=1e-4,
+                   what="prefix schedule through a sharded decode")
+  stats.assert_rejects(counts, exact(target, prompt, 0.6), what="wrong temperature")
