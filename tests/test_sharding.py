@@ -10,8 +10,20 @@
   chi-square (N = 24,000 sampled rows, fail at p < 1e-3), with a power check (a wrong law is
   rejected at p < 1e-6); the same draws are also bit-identical to one device's;
 * loading straight into shards: no read of a split tensor returns more than its shard's bytes;
-* the clear errors of a mesh that does not divide the model.
+* the clear errors of a mesh that does not divide the model;
+* ``lax.mulhi`` (Philox) exact in sharded programs (`layout.partitionable_mulhi`); a sharded draft
+  traced under the user's jit still counts its devices for the kernels' preconditions; paged
+  pools split by KV head, with one device's values;
+* schedules under a mesh: greedy tokens and verify lengths of `top_k` equal one device's, and the
+  law of `prefix` through a sharded `decode` (chi-square, exact law, power check; slow);
+* two processes (`jax.distributed`, scripts/multihost_demo.py) decode one device's tokens (slow).
 """
+
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -318,3 +330,47 @@ def test_sharded_decode_under_a_schedule_follows_the_target_law(scheduled_pair):
   stats.assert_law(counts, exact(target, prompt, 1.0), threshold=1e-4,
                    what="prefix schedule through a sharded decode")
   stats.assert_rejects(counts, exact(target, prompt, 0.6), what="wrong temperature")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dp", [(4, 1), (2, 2)])
+def test_two_processes_decode_one_devices_tokens(tmp_path, tp, dp):
+  """scripts/multihost_demo.py as two processes on the CPU (2 devices each, Gloo collectives):
+  `jax.distributed.initialize`, one mesh over both (TP = 4: every layer's collectives cross
+  processes; TP 2 x DP 2: a replica per process, the rows gathered to both), the target loaded
+  into shards (each process reading its own parts), speculative greedy `generate`: both processes
+  print one device's tokens."""
+  config = tm.TargetConfig(vocab_size=VOCAB, num_layers=2, layer=SHAPE, feature_layers=(-1, 0))
+  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
+  draft = dm.DSparkDraft(dm.DraftConfig(gamma=3, num_layers=1, target_layer_ids=(-1, 0),
+                                        mask_token_id=VOCAB - 1, head_kind="vanilla", rank=16),
+                         config, rngs=nnx.Rngs(1))
+  dj.save_pretrained(target, str(tmp_path / "t"))
+  dj.save_pretrained(draft, str(tmp_path / "d"), target=target)
+  prompts = [[1, 2, 3], [4, 5]]
+  want = dj.generate(target, draft, prompts, dj.SamplingParams(temperature=0.0, batch_size=2),
+                     jax.random.key(0), max_new_tokens=10).tokens
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["PYTHONPATH"] = root
+  common = [sys.executable, os.path.join(root, "scripts", "multihost_demo.py"), "--coordinator",
+            f"localhost:{_free_port()}", "--num-processes", "2", "--cpu-devices", "2",
+            "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--tp", str(tp),
+            "--dp", str(dp),
+            "--prompts", json.dumps(prompts)]
+  runs = [subprocess.Popen(common + ["--process-id", str(i), "--out", str(tmp_path / f"{i}.json")],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
+  for run in runs:
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+  for i in range(2):
+    result = json.loads((tmp_path / f"{i}.json").read_text())
+    assert (result["process"], result["devices"], result["local_devices"]) == (i, 4, 2)
+    np.testing.assert_array_equal(result["tokens"], want)
