@@ -113,7 +113,7 @@ class TargetModel(nnx.Module):
   """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``.
 
   `plan` is None, or the `parallel.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
-  its caches are then kept sharded by KV head.
+  its caches (contiguous, or a paged cache's pools) are then kept sharded by KV head.
   """
 
   plan = None
