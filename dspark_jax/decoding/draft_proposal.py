@@ -33,6 +33,7 @@ from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import pallas_block
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import layout
 from dspark_jax.sampling import params as sp
 
 
@@ -111,7 +112,8 @@ def draft_proposal(target: tm.TargetModel, draft: dm.DSparkDraft, tokens, params
   choice = proposal.choose_backend(
       draft.head.arrays(), jax.ShapeDtypeStruct((batch, gamma, vocab), draft.config.dtype),
       kind=draft.head.kind, greedy_only=greedy_only, store_logits=store_logits,
-      confidence=draft.confidence is not None, backend=backend, config=config)
+      confidence=draft.confidence is not None, backend=backend, config=config,
+      devices=layout.plan_devices(draft.plan))
   rows = rounds._row_arrays(params)
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = nnx.split(draft)

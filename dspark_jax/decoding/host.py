@@ -31,6 +31,7 @@ from dspark_jax.draft import memory_gate
 from dspark_jax.kernels import dispatch
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import placement
 from dspark_jax.sampling import params as sp
 
 MIN_BUCKET = 8
@@ -330,7 +331,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                                         statics)
     start += compile_seconds
     out = program(target_state, draft_state, *args)
-  out = jax.device_get(out)
+  out = jax.device_get(placement.to_host(out))   # dp rows on other hosts: gathered
   wall = time.perf_counter() - start
   return _result(out, batch, int(max_new.max()), spec, path, wall, compile_seconds, choice)
 

@@ -29,6 +29,7 @@ from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import pallas_block
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.parallel import layout
 from dspark_jax.sampling import params as sp
 
 
@@ -283,7 +284,8 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
         draft.head.arrays(), jax.ShapeDtypeStruct((batch, gamma, target.config.vocab_size),
                                                   draft.config.dtype),
         kind=draft.head.kind, greedy_only=greedy_only, store_logits=store_logits,
-        confidence=draft.confidence is not None, backend=backend, config=config)
+        confidence=draft.confidence is not None, backend=backend, config=config,
+        devices=layout.plan_devices(draft.plan))
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
   out = _decode_program(target_state, draft_state, jnp.asarray(prompt, jnp.int32),

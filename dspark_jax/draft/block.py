@@ -53,20 +53,23 @@ PATH_EAGER = "eager"
 
 def choose_backend(head_params: dict, base_logits, *, kind: str, greedy_only: bool,
                    store_logits: bool = True, confidence: bool = False, backend=None, config=None,
-                   device: jax.Device | None = None) -> dispatch.Choice:
+                   device: jax.Device | None = None, devices: int | None = None
+                   ) -> dispatch.Choice:
   """The `dispatch.Choice` for a folded block of these arrays (shapes and dtypes only).
 
   `backend`: a `dispatch.Choice` (returned as it is), "auto", "xla", "triton", "hopper", or None
   (``$DSPARK_JAX_BACKEND``, default "auto"); `config`: that backend's settings (`dispatch`). The
-  devices ``head_params["w2"]`` spans (a sharded draft's, `dspark_jax.parallel`) count: the
-  kernels run on one device only.
+  devices the block spans count (the kernels run on one device only): `devices` where given (a
+  sharded draft's, `parallel.layout.plan_devices`, known when its arrays are traced), else those
+  ``head_params["w2"]`` spans (1 for a traced array).
   """
   batch, gamma, vocab = base_logits.shape
   return dispatch.resolve(
       backend, config, greedy_only=greedy_only, batch=batch, vocab=vocab,
       rank=head_params["w1"].shape[1], gamma=gamma, w2_dtype=head_params["w2"].dtype,
       logits_dtype=base_logits.dtype, head_kind=kind, store_logits=store_logits,
-      confidence=confidence, device=device, devices=_devices(head_params["w2"]))
+      confidence=confidence, device=device,
+      devices=max(devices or 1, _devices(head_params["w2"])))
 
 
 def _devices(x) -> int:

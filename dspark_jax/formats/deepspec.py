@@ -290,8 +290,9 @@ def _to_theirs(value: np.ndarray, storage: str | None) -> np.ndarray:
 
 def target_tables(target: tm.TargetModel) -> dict[str, np.ndarray]:
   """The target's embedding and LM head as DeepSpec stores the draft's copies ([V, E] each)."""
-  embed = np.asarray(target.embed.embedding[...])
-  head = embed if target.config.tie_embeddings else np.asarray(target.lm_head.kernel[...]).T
+  embed = placement.host_value(target.embed.embedding[...])
+  head = embed if target.config.tie_embeddings else placement.host_value(
+      target.lm_head.kernel[...]).T
   return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 

@@ -167,7 +167,8 @@ class DSparkDraft(nnx.Module):
       for name in "kv":
         pools = getattr(context, name) if paged else context[name]
         if paged:
-          out[name].append(paging.write(pools[i], context.table, rows, positions, kv[name]))
+          out[name].append(layout.constrain_pool(
+              paging.write(pools[i], context.table, rows, positions, kv[name]), self.plan))
         else:
           out[name].append(layout.constrain_cache(layers.write_heads(pools[i], kv[name], start),
                                                   self.plan))

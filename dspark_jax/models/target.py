@@ -113,7 +113,7 @@ class TargetModel(nnx.Module):
   """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``.
 
   `plan` is None, or the `parallel.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
-  its caches are then kept sharded by KV head.
+  its caches (contiguous, or a paged cache's pools) are then kept sharded by KV head.
   """
 
   plan = None
@@ -209,8 +209,9 @@ class TargetModel(nnx.Module):
 
     def gather_kv(i, k, v):
       flat = slots is not None                    # packed: k [1, N, K, D] -> [N, K, D]
-      keys = paging.write(cache.k[i], cache.table, rows, write_positions, k[0] if flat else k)
-      values = paging.write(cache.v[i], cache.table, rows, write_positions, v[0] if flat else v)
+      keys, values = (layout.constrain_pool(paging.write(
+          pool[i], cache.table, rows, write_positions, x[0] if flat else x), self.plan)
+          for pool, x in ((cache.k, k), (cache.v, v)))
       source = layers.PagedUpTo(keys, values, cache.table, limits,
                                 rows if flat else None, slots)
       return source, (keys, values)

@@ -4,7 +4,8 @@ This module owns placing models that already exist on one device onto a mesh: ea
 put with the `NamedSharding` of `layout.param_spec`, the fused projections reordered into column
 groups (`models.layers.group_columns`) so each device holds whole heads, and the copies record
 their `layout.Plan` (their caches are kept sharded by KV head). The models passed in are never
-changed. Loading a checkpoint straight into shards, without a whole copy on one device, is
+changed. `host_value` and `to_host` read arrays whole on the host, from every process where they span
+several hosts. Loading a checkpoint straight into shards, without a whole copy on one device, is
 `loading`'s job.
 """
 
@@ -32,6 +33,24 @@ def make_mesh(tp: int, dp: int = 1, *, devices=None) -> jax.sharding.Mesh:
                      "available")
   grid = np.array(devices[:tp * dp], dtype=object).reshape(dp, tp)
   return jax.sharding.Mesh(grid, ("dp", "tp"))
+
+
+def host_value(x) -> np.ndarray:
+  """`x` whole on the host as NumPy; an array spanning other processes' devices (several hosts,
+  `jax.distributed`) is gathered from every process (a collective: every process must call it)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def to_host(tree):
+  """`tree` with every array that spans other processes' devices replaced by its `host_value`
+  (every process must call it); other leaves unchanged. Before ``jax.device_get`` of a program's
+  outputs whose rows are split over a ``dp`` axis that spans several hosts."""
+  def leaf(x):
+    return host_value(x) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
+  return jax.tree.map(leaf, tree)
 
 
 def path_name(path) -> str:
