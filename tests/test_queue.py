@@ -128,6 +128,12 @@ def test_law_through_refills():
     (dict(prompts=[[1], [2, 12]]), "prompts: row 1 token 1 is 12"),
     (dict(trace=True), "trace: not recorded"),
     (dict(max_batch_size=None, on_finish=print), "on_finish: only the queue-driven decode"),
+    (dict(max_batch_size=None, kv="paged"), "kv: only the queue-driven decode"),
+    (dict(kv="pages"), "kv: expected one of"),
+    (dict(num_pages=4), "num_pages: only a paged cache has a pool"),
+    (dict(kv="paged", page_size=16, num_pages=1), "num_pages: a pool of 1 pages of 16"),
+    (dict(kv="paged", page_size=16, num_pages=1, prompts=[[1, 2], [3] * 17]),
+     "prompts: prompt 1 has 17 tokens, more than the pool of num_pages=1 pages"),
 ])
 def test_bad_queue_inputs_raise_clear_errors(pair, edit, match):
   target, draft = pair
@@ -163,13 +169,59 @@ def test_eval_appends_each_prompt_and_resumes(pair, tmp_path):
   assert resumed.tau == pytest.approx(whole.tau)
 
 
-def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch):
+def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
+  # 6 prompts (greedy and sampled rows, a stop token) through 2 slots over a pool of 2 pages of 16
+  # positions (one slot's capacity), growing by a lookahead of one round: rows are admitted by free
+  # pages and the newest is preempted when the oldest grows into a second page, then recomputed
+  # from its prompt and committed tokens. Every prompt's tokens and counts equal the fixed batch
+  # (whose rows equal decoding alone, tests/test_decoding.py), preempted sampled rows included.
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  budgets = [8] * len(PROMPTS)
+  engine = dj.Engine(target, draft, max_batch_size=2, rounds_per_call=1, kv="paged",
+                     page_size=16, num_pages=2)
+  result = engine.generate(PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
+                           stop_token_ids=[STOP])
+  fixed = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
+                      stop_token_ids=[STOP])
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  np.testing.assert_array_equal(result.lengths, fixed.lengths)
+  assert result.finish_reason == fixed.finish_reason
+  np.testing.assert_array_equal(result.row_rounds, fixed.row_rounds)
+  np.testing.assert_array_equal(result.row_accepted, fixed.row_accepted)
+  np.testing.assert_array_equal(result.reached, fixed.reached)
+  assert result.kv == "paged" and (result.num_pages, result.page_size) == (2, 16)
+  preempted = [r.index for r in result.results if r.preempted]
+  assert result.preemptions >= 1 and any(TEMPERATURES[i] > 0 for i in preempted)
+  assert 0 < result.pages_mean <= result.pages_peak <= 2
+  # Other prompt lengths and budgets in the same buckets compile nothing more.
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration")
+      else None)
+  try:
+    again = engine.generate([[5, 4, 3, 2, 1, 0], [8], [2, 3, 4, 5]],
+                            dj.SamplingParams(temperature=TEMPERATURES[:3], seed=SEEDS[:3]),
+                            jax.random.key(5), max_new_tokens=[2, 3, 1], stop_token_ids=[STOP])
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [] and again.compile_seconds == 0.0 and again.preemptions == 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch, paged):
   # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back
   # naming the slots, the cache size per slot and what to lower.
   def exhausted(*args):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
 
   monkeypatch.setattr(decoding.host, "compiled", lambda *args, **kw: (exhausted, 0.0))
-  with pytest.raises(RuntimeError, match=r"max_batch_size=2 slots of \d+ cache positions each.*"
-                                         r"lower max_batch_size \(concurrency\)"):
-    _queue(pair, True, prompts=PROMPTS[:3])
+  if paged:
+    match = (r"max_batch_size=2 slots over a pool of 6 pages of 16 positions.*lower num_pages "
+             r"\(pool size\) or max_batch_size \(concurrency\)")
+    kw = dict(kv="paged", num_pages=6, page_size=16)
+  else:
+    match = r"max_batch_size=2 slots of \d+ cache positions each.*lower max_batch_size \(concurrency\)"
+    kw = {}
+  with pytest.raises(RuntimeError, match=match):
+    _queue(pair, True, prompts=PROMPTS[:3], **kw)
