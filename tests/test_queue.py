@@ -208,6 +208,25 @@ def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
   assert compiles == [] and again.compile_seconds == 0.0 and again.preemptions == 0
 
 
+def test_paged_pool_is_sized_from_free_memory_less_buffers_at_most_every_slot_full(pair):
+  # Free memory of 5.5 pages (target + draft context, every layer) past four float32 [S, γ+1, V]
+  # buffers gives 5 pages; plenty gives S slots of max_pages; unknown free memory gives the same.
+  from dspark_jax.paging import allocator
+  target, draft = pair
+  t, d = target.config, draft
+  size = lambda dtype: np.dtype(dtype).itemsize
+  per_token = (allocator.token_bytes(t.num_layers, t.layer.num_kv_heads, t.layer.head_dim,
+                                     size(t.dtype))
+               + allocator.token_bytes(len(d.layers), d.shape.num_kv_heads, d.shape.head_dim,
+                                       size(d.config.dtype)))
+  page_bytes, buffers = 16 * per_token, 4 * 4 * (d.config.gamma + 1) * t.vocab_size * 4
+  pool = lambda limit: dj.Engine(target, draft, 4, kv="paged", page_size=16, headroom_bytes=0,
+                                 memory_stats=None if limit is None else
+                                 {"bytes_limit": limit, "bytes_in_use": 0})._pool(4, 3)
+  assert pool(buffers + 5 * page_bytes + page_bytes // 2) == 5
+  assert pool(10 ** 12) == 12 and pool(None) == 12
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch, paged):
   # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back

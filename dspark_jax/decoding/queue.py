@@ -346,6 +346,9 @@ def _is_out_of_memory(error: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
 
 
+LOGIT_BUFFERS = 4
+"""float32 [S, γ + 1, V] buffers a paged pool sized from free memory leaves room for (the verify's
+logits and probabilities, the draft's corrected logits and noise)."""
 KV_FORMS = ("contiguous", "paged")
 """The slots' caches: one contiguous row per slot, or pages of a shared pool (`paging`)."""
 
@@ -368,8 +371,9 @@ class Engine:
       (pages of one pool per layer, shared by the target and the draft's context through one
       block table, handed out as rows grow: docs/serving.md, "Paged caches").
     num_pages: with ``kv="paged"``, the pool's pages; None: as many as fit in free device memory
-      less `headroom_bytes` (`paging.allocator.pool_pages`), at most S slots' capacity (also the
-      size when free memory is unknown, e.g. on the CPU).
+      less `headroom_bytes` and four float32 [S, γ + 1, V] decoding buffers
+      (`paging.allocator.pool_pages`), at most S slots' capacity (also the size when free memory
+      is unknown, e.g. on the CPU).
     page_size: with ``kv="paged"``, positions per page (a multiple of 16).
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
   """
@@ -414,7 +418,8 @@ class Engine:
     loop.check_schedule(self.schedule, self.draft, self.spec)
 
   def _pool(self, slots_n: int, max_pages: int) -> int:
-    """The pool's pages: `num_pages`, or what fits in free device memory (at most S full slots)."""
+    """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and
+    the decoding buffers (`LOGIT_BUFFERS` float32 [S, γ + 1, V]), at most S full slots."""
     if self.num_pages is not None:
       return self.num_pages
     most = slots_n * max_pages
@@ -426,8 +431,11 @@ class Engine:
       per_token += page_alloc.token_bytes(len(draft.layers), draft.shape.num_kv_heads,
                                           draft.shape.head_dim,
                                           np.dtype(draft.config.dtype).itemsize)
+    gamma = self.draft.config.gamma if self.spec else 0
+    buffers = LOGIT_BUFFERS * slots_n * (gamma + 1) * target.vocab_size * 4
     try:
-      fits = page_alloc.pool_pages(self.page_size * per_token, memory_stats=self.memory_stats,
+      fits = page_alloc.pool_pages(self.page_size * per_token, reserve_bytes=buffers,
+                                   memory_stats=self.memory_stats,
                                    headroom_bytes=self.headroom_bytes)
     except ValueError:  # free memory unknown (e.g. the CPU): the contiguous caches' memory
       return most
@@ -538,8 +546,8 @@ class Engine:
         if pages is not None and free.size:
           heads = [queue[i] for i in range(free.size)]
           free = free[:pages.admit(free, heads, lens, saved)]
-          if not free.size and not (owner >= 0).any():
-            raise AssertionError("the pool admits no row with every slot empty")
+          if not free.size and not (owner >= 0).any():  # excluded by `_Pages`' checks
+            raise RuntimeError("num_pages: the pool admits no row with every slot empty")
         if free.size:
           taken = np.array([queue.popleft() for _ in free])
           owner[free] = taken
