@@ -208,6 +208,22 @@ def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
   assert compiles == [] and again.compile_seconds == 0.0 and again.preemptions == 0
 
 
+@pytest.mark.slow
+def test_paged_autoregressive_queue_preempts_and_decodes_as_in_a_fixed_batch(pair):
+  # The baseline loop over a pool of 2 pages of 16 (one slot's capacity): prompts of 10..14 tokens
+  # start in one page each and outgrow it together, so the newest is preempted and recomputed.
+  target, _ = pair
+  prompts = [[(i * 5 + j) % 11 + 1 for j in range(n)] for i, n in enumerate([12, 14, 13, 10])]
+  params = dj.SamplingParams(temperature=[1.0, 0.0, 0.8, 1.2], seed=[1, 2, 3, 4])
+  result = dj.Engine(target, None, max_batch_size=2, spec=False, rounds_per_call=1, kv="paged",
+                     page_size=16, num_pages=2).generate(prompts, params, jax.random.key(2),
+                                                         max_new_tokens=8)
+  fixed = dj.generate(target, None, prompts, params, jax.random.key(2), max_new_tokens=8,
+                      spec=False)
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  assert result.finish_reason == fixed.finish_reason and result.preemptions >= 1
+
+
 def test_paged_pool_is_sized_from_free_memory_less_buffers_at_most_every_slot_full(pair):
   # Free memory of 5.5 pages (target + draft context, every layer) past four float32 [S, γ+1, V]
   # buffers gives 5 pages; plenty gives S slots of max_pages; unknown free memory gives the same.
