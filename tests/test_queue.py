@@ -128,6 +128,12 @@ def test_law_through_refills():
     (dict(prompts=[[1], [2, 12]]), "prompts: row 1 token 1 is 12"),
     (dict(trace=True), "trace: not recorded"),
     (dict(max_batch_size=None, on_finish=print), "on_finish: only the queue-driven decode"),
+    (dict(max_batch_size=None, kv="paged"), "kv: only the queue-driven decode"),
+    (dict(kv="pages"), "kv: expected one of"),
+    (dict(num_pages=4), "num_pages: only a paged cache has a pool"),
+    (dict(kv="paged", page_size=16, num_pages=1), "num_pages: a pool of 1 pages of 16"),
+    (dict(kv="paged", page_size=16, num_pages=1, prompts=[[1, 2], [3] * 17]),
+     "prompts: prompt 1 has 17 tokens, more than the pool of num_pages=1 pages"),
 ])
 def test_bad_queue_inputs_raise_clear_errors(pair, edit, match):
   target, draft = pair
@@ -163,13 +169,94 @@ def test_eval_appends_each_prompt_and_resumes(pair, tmp_path):
   assert resumed.tau == pytest.approx(whole.tau)
 
 
-def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch):
+def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
+  # 6 prompts (greedy and sampled rows, a stop token) through 2 slots over a pool of 2 pages of 16
+  # positions (one slot's capacity), growing by a lookahead of one round: rows are admitted by free
+  # pages and the newest is preempted when the oldest grows into a second page, then recomputed
+  # from its prompt and committed tokens. Every prompt's tokens and counts equal the fixed batch
+  # (whose rows equal decoding alone, tests/test_decoding.py), preempted sampled rows included.
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  budgets = [8] * len(PROMPTS)
+  engine = dj.Engine(target, draft, max_batch_size=2, rounds_per_call=1, kv="paged",
+                     page_size=16, num_pages=2)
+  result = engine.generate(PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
+                           stop_token_ids=[STOP])
+  fixed = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
+                      stop_token_ids=[STOP])
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  np.testing.assert_array_equal(result.lengths, fixed.lengths)
+  assert result.finish_reason == fixed.finish_reason
+  np.testing.assert_array_equal(result.row_rounds, fixed.row_rounds)
+  np.testing.assert_array_equal(result.row_accepted, fixed.row_accepted)
+  np.testing.assert_array_equal(result.reached, fixed.reached)
+  assert result.kv == "paged" and (result.num_pages, result.page_size) == (2, 16)
+  preempted = [r.index for r in result.results if r.preempted]
+  assert result.preemptions >= 1 and any(TEMPERATURES[i] > 0 for i in preempted)
+  assert 0 < result.pages_mean <= result.pages_peak <= 2
+  # Other prompt lengths and budgets in the same buckets compile nothing more.
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration")
+      else None)
+  try:
+    again = engine.generate([[5, 4, 3, 2, 1, 0], [8], [2, 3, 4, 5]],
+                            dj.SamplingParams(temperature=TEMPERATURES[:3], seed=SEEDS[:3]),
+                            jax.random.key(5), max_new_tokens=[2, 3, 1], stop_token_ids=[STOP])
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [] and again.compile_seconds == 0.0 and again.preemptions == 0
+
+
+@pytest.mark.slow
+def test_paged_autoregressive_queue_preempts_and_decodes_as_in_a_fixed_batch(pair):
+  # The baseline loop over a pool of 2 pages of 16 (one slot's capacity): prompts of 10..14 tokens
+  # start in one page each and outgrow it together, so the newest is preempted and recomputed.
+  target, _ = pair
+  prompts = [[(i * 5 + j) % 11 + 1 for j in range(n)] for i, n in enumerate([12, 14, 13, 10])]
+  params = dj.SamplingParams(temperature=[1.0, 0.0, 0.8, 1.2], seed=[1, 2, 3, 4])
+  result = dj.Engine(target, None, max_batch_size=2, spec=False, rounds_per_call=1, kv="paged",
+                     page_size=16, num_pages=2).generate(prompts, params, jax.random.key(2),
+                                                         max_new_tokens=8)
+  fixed = dj.generate(target, None, prompts, params, jax.random.key(2), max_new_tokens=8,
+                      spec=False)
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  assert result.finish_reason == fixed.finish_reason and result.preemptions >= 1
+
+
+def test_paged_pool_is_sized_from_free_memory_less_buffers_at_most_every_slot_full(pair):
+  # Free memory of 5.5 pages (target + draft context, every layer) past four float32 [S, γ+1, V]
+  # buffers gives 5 pages; plenty gives S slots of max_pages; unknown free memory gives the same.
+  from dspark_jax.paging import allocator
+  target, draft = pair
+  t, d = target.config, draft
+  size = lambda dtype: np.dtype(dtype).itemsize
+  per_token = (allocator.token_bytes(t.num_layers, t.layer.num_kv_heads, t.layer.head_dim,
+                                     size(t.dtype))
+               + allocator.token_bytes(len(d.layers), d.shape.num_kv_heads, d.shape.head_dim,
+                                       size(d.config.dtype)))
+  page_bytes, buffers = 16 * per_token, 4 * 4 * (d.config.gamma + 1) * t.vocab_size * 4
+  pool = lambda limit: dj.Engine(target, draft, 4, kv="paged", page_size=16, headroom_bytes=0,
+                                 memory_stats=None if limit is None else
+                                 {"bytes_limit": limit, "bytes_in_use": 0})._pool(4, 3)
+  assert pool(buffers + 5 * page_bytes + page_bytes // 2) == 5
+  assert pool(10 ** 12) == 12 and pool(None) == 12
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch, paged):
   # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back
   # naming the slots, the cache size per slot and what to lower.
   def exhausted(*args):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
 
   monkeypatch.setattr(decoding.host, "compiled", lambda *args, **kw: (exhausted, 0.0))
-  with pytest.raises(RuntimeError, match=r"max_batch_size=2 slots of \d+ cache positions each.*"
-                                         r"lower max_batch_size \(concurrency\)"):
-    _queue(pair, True, prompts=PROMPTS[:3])
+  if paged:
+    match = (r"max_batch_size=2 slots over a pool of 6 pages of 16 positions.*lower num_pages "
+             r"\(pool size\) or max_batch_size \(concurrency\)")
+    kw = dict(kv="paged", num_pages=6, page_size=16)
+  else:
+    match = r"max_batch_size=2 slots of \d+ cache positions each.*lower max_batch_size \(concurrency\)"
+    kw = {}
+  with pytest.raises(RuntimeError, match=match):
+    _queue(pair, True, prompts=PROMPTS[:3], **kw)

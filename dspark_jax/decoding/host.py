@@ -206,7 +206,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              store_logits: bool = True, backend: str | None = None, config=None,
              stop_sequences=(), schedule=None, trace: bool = False,
              max_batch_size: int | None = None, max_seq_len: int | None = None,
-             progress: bool = False, on_finish=None) -> GenerateResult:
+             progress: bool = False, on_finish=None, kv: str | None = None,
+             num_pages: int | None = None, page_size: int | None = None) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -241,6 +242,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     max_seq_len, progress, on_finish: with `max_batch_size` only: tokens a slot holds (None: sized
       from the prompts and budgets), a tqdm bar, a callback given each `queue.PromptResult` as its
       prompt finishes (`queue.Engine`).
+    kv, num_pages, page_size: with `max_batch_size` only: the slots' caches, "contiguous" (None:
+      the default) or "paged", and the paged pool's pages and page size (`queue.Engine`).
 
   Returns:
     A `GenerateResult` (with `max_batch_size`: a `queue.QueueResult`, the same array fields plus
@@ -257,15 +260,18 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       raise ValueError("trace: not recorded by the queue-driven decode (max_batch_size); decode a "
                        "fixed batch to trace rounds")
     from dspark_jax.decoding import queue  # the queue builds on this module
+    paging = {name: value for name, value in
+              (("kv", kv), ("num_pages", num_pages), ("page_size", page_size)) if value is not None}
     engine = queue.Engine(target, draft, max_batch_size, max_seq_len=max_seq_len, spec=spec,
                           schedule=schedule, mode=mode, memory_stats=memory_stats,
                           headroom_bytes=headroom_bytes, store_logits=store_logits,
-                          backend=backend, config=config)
+                          backend=backend, config=config, **paging)
     return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
                            stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                            progress=progress, on_finish=on_finish)
   for name, value in (("max_seq_len", max_seq_len), ("progress", progress or None),
-                      ("on_finish", on_finish)):
+                      ("on_finish", on_finish), ("kv", kv), ("num_pages", num_pages),
+                      ("page_size", page_size)):
     if value is not None:
       raise ValueError(f"{name}: only the queue-driven decode takes it (pass max_batch_size)")
   vocab = target.config.vocab_size

@@ -30,8 +30,15 @@ its neighbours: only the law is the same. A stateful schedule keeps its state ac
 row inherits its slot's history, which only sets verify lengths) and drafts with the global round
 folded into the key (`rounds.draft_key`), fresh noise every round.
 
-**Seam for paged caches.** Every write of a slot's cache goes through `SlotCaches.admit` (the
-contiguous form: a scatter of whole rows), so a paged cache replaces that one object.
+**Caches** (``kv``). Contiguous (default): a row of [S, ...] per slot, written at admission by
+`SlotCaches.admit`. Paged (``kv="paged"``): the target's and the draft's context pools share one
+block table, owned by the host's `paging.allocator.PageAllocator` (`_Pages`) and passed in at each
+boundary. Policy (docs/serving.md): release finished rows' pages; grow every running row to its
+length + `allocator.lookahead(rounds_per_call, γ)`, preempting the newest rows when the pool is
+short (their row state kept on the host, re-queued at the head); admit queued rows first come
+first served while pages allow. A preempted row's refill recomputes its caches from its prompt and
+committed tokens and restores its saved state, so it continues with the tokens it would have
+decoded (same keys, same positions).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.paging import allocator as page_alloc
+from dspark_jax.paging import cache as paging
 from dspark_jax.sampling import params as sp
 
 GLOBAL_KEYS = ("rounds", "reached", "accepted", "schedule", "trace")
@@ -66,17 +75,34 @@ CACHE_KEYS = ("cache", "context")
 
 
 class SlotCaches:
-  """How a slot's caches are written when it takes a new prompt: contiguous per-slot caches.
+  """How a slot's caches are written when it takes a new prompt.
 
-  Each cache is a pytree of [S, ...] arrays, a slot one row. `admit` writes the K prefilled rows'
-  caches (fresh [K, ...] arrays from `rounds._prefill`) into slots `slots` ([K] int32; entries >= S
-  are padding and dropped), whole rows, so nothing of the slot's previous prompt is left.
+  `admit(cache, fresh, slots, table)` returns the state's cache with the K prefilled rows' caches
+  `fresh` (from `rounds._prefill`) in slots `slots` ([K] int32; entries >= S are padding and
+  dropped):
+
+  * contiguous caches (pytrees of [S, ...] arrays, a slot one row): a scatter of whole rows, so
+    nothing of the slot's previous prompt is left;
+  * paged caches (`paging.cache.PagedKV`): the prefill already wrote the rows into the shared
+    pools through their slots' table rows (`paged_rows`), so `fresh` holds the whole pools; the
+    result is those pools with the host's full block table `table` ([S, max_pages]).
   """
 
   @staticmethod
-  def admit(cache, fresh, slots):
+  def admit(cache, fresh, slots, table=None):
+    if isinstance(cache, paging.PagedKV):
+      return dataclasses.replace(fresh, table=table)
     return jax.tree.map(lambda old, new: old.at[slots].set(new.astype(old.dtype), mode="drop"),
                         cache, fresh)
+
+  @staticmethod
+  def paged_rows(cache, table, slots):
+    """`cache` (a `PagedKV`) with the table rows of `slots` ([K]; entries >= S get no pages), the
+    cache a K-row prefill writes through."""
+    count = table.shape[0]
+    mine = table[jnp.minimum(slots, count - 1)]
+    mine = jnp.where((slots < count)[:, None], mine, paging.UNALLOCATED)
+    return dataclasses.replace(cache, table=mine)
 
 
 @dataclasses.dataclass
@@ -95,7 +121,8 @@ class PromptResult:
     ttft_seconds: from the start of the run (compilation excluded) until its first token was on
       the device (its prefill finished), queueing included.
     seconds: from its admission into a slot until the host saw it finished.
-    slot: the slot it ran in.
+    slot: the slot it ran in (the last one, if it was preempted).
+    preempted: times it was preempted for pages (paged caches) and recomputed.
   """
 
   index: int
@@ -110,6 +137,7 @@ class PromptResult:
   ttft_seconds: float
   seconds: float
   slot: int
+  preempted: int = 0
 
   @property
   def tau(self) -> float:
@@ -133,6 +161,7 @@ class PromptResult:
             "verified": self.verified, "reached": [int(x) for x in self.reached],
             "accepted": [int(x) for x in self.accepted], "tau": self.tau,
             "ttft_seconds": self.ttft_seconds, "seconds": self.seconds, "slot": self.slot,
+            "preempted": self.preempted,
             "tokens_per_second": self.tokens_per_second}
 
 
@@ -148,7 +177,11 @@ class QueueResult:
     rounds: loop iterations of all chunks. slot_rounds: S × rounds; busy_slot_rounds: the
       (slot, iteration) pairs whose slot held an unfinished prompt.
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
-    path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: slots per row's cache.
+    path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: positions per slot's
+      cache (with paged caches: the capacity before rounding to whole pages).
+    kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
+    pages_peak, pages_mean: pages in use, the most and the mean over loop iterations (0 for
+      contiguous caches). preemptions: rows preempted for pages and recomputed later.
   """
 
   results: list[PromptResult]
@@ -163,6 +196,12 @@ class QueueResult:
   backend: Any
   max_batch_size: int
   cache_len: int
+  kv: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int | None = None
+  pages_peak: int = 0
+  pages_mean: float = 0.0
+  preemptions: int = 0
 
   @property
   def occupancy(self) -> float:
@@ -223,7 +262,7 @@ class QueueResult:
 # ---- the compiled programs ------------------------------------------------------------------------
 
 
-def _admit(state, inputs, fresh, new_inputs, slots):
+def _admit(state, inputs, fresh, new_inputs, slots, table=None):
   """The state and per-row inputs with the K prefilled rows `fresh`/`new_inputs` written into
   `slots`; per-row entries `fresh` lacks (counts a prefill does not start) become zeros."""
   out = dict(state)
@@ -231,7 +270,7 @@ def _admit(state, inputs, fresh, new_inputs, slots):
     if name in GLOBAL_KEYS:
       continue
     if name in CACHE_KEYS:
-      out[name] = SlotCaches.admit(value, fresh[name], slots)
+      out[name] = SlotCaches.admit(value, fresh[name], slots, table)
       continue
     new = fresh.get(name)
     if new is None:
@@ -243,20 +282,39 @@ def _admit(state, inputs, fresh, new_inputs, slots):
 
 
 def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_lens, new_inputs,
-                    slots, key, *, target_def, draft_def, cache_len, out_len):
-  """Prefills K prompts ([K, T]) and admits them into `slots` (module docstring)."""
+                    slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len):
+  """Prefills K prompts ([K, T]) and admits them into `slots` (module docstring).
+
+  Paged caches (`table`: the host's [S, max_pages] block table, else None): the prefill writes
+  through the slots' table rows. `saved` (per-row state entries, [K, ...] each, or None) and
+  `resume` ([K] bool): a resumed row (a preempted one, `prompt` its prompt and committed tokens
+  but the last) takes its saved state instead of the prefill's; only its caches are recomputed.
+  """
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  caches = {}
+  if table is not None:
+    caches = {name: SlotCaches.paged_rows(state[name], table, slots)
+              for name in CACHE_KEYS if name in state}
   fresh = _prefill(target, draft, prompt, prompt_lens, new_inputs["max_new"], new_inputs["rows"],
-                   new_inputs["stop_ids"], key, cache_len, out_len, new_inputs["stop_seqs"])
-  return _admit(state, inputs, fresh, new_inputs, slots)
+                   new_inputs["stop_ids"], key, cache_len, out_len, new_inputs["stop_seqs"],
+                   cache=caches.get("cache"), context=caches.get("context"))
+  if saved is not None:
+    fresh = dict(fresh)
+    for name, value in saved.items():
+      base = fresh.get(name, jnp.zeros(value.shape, value.dtype))
+      mask = resume.reshape(resume.shape + (1,) * (value.ndim - 1))
+      fresh[name] = jnp.where(mask, value.astype(base.dtype), base)
+  return _admit(state, inputs, fresh, new_inputs, slots, table)
 
 
-def _chunk_program(target_state, draft_state, state, inputs, key, need, *, target_def, draft_def,
-                   path, store_logits, backend, schedule, rounds_per_call):
+def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *, target_def,
+                   draft_def, path, store_logits, backend, schedule, rounds_per_call):
   """Up to `rounds_per_call` iterations; stops early once every slot is done or `need` are.
+  Slots `idle` ([S] bool: holding no prompt, e.g. one just preempted) are done.
 
   Returns ``(state, iterations run, busy slot-iterations)``."""
+  state = dict(state, done=state["done"] | idle)
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   body = loop.iteration(target, draft, path, inputs["max_new"], inputs["rows"], inputs["stop_ids"],
@@ -288,6 +346,13 @@ def _is_out_of_memory(error: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
 
 
+LOGIT_BUFFERS = 4
+"""float32 [S, γ + 1, V] buffers a paged pool sized from free memory leaves room for (the verify's
+logits and probabilities, the draft's corrected logits and noise)."""
+KV_FORMS = ("contiguous", "paged")
+"""The slots' caches: one contiguous row per slot, or pages of a shared pool (`paging`)."""
+
+
 @dataclasses.dataclass
 class Engine:
   """A queue-driven decoder over S static slots (module docstring).
@@ -302,6 +367,14 @@ class Engine:
     rounds_per_call: R, iterations a chunk runs at most between two host boundaries.
     refill_at: a chunk returns to the host once this many slots are free (fewer while the queue
       holds fewer prompts); larger values refill in bigger groups, less often.
+    kv: the slots' caches: "contiguous" (default; every slot holds its whole capacity) or "paged"
+      (pages of one pool per layer, shared by the target and the draft's context through one
+      block table, handed out as rows grow: docs/serving.md, "Paged caches").
+    num_pages: with ``kv="paged"``, the pool's pages; None: as many as fit in free device memory
+      less `headroom_bytes` and four float32 [S, γ + 1, V] decoding buffers
+      (`paging.allocator.pool_pages`), at most S slots' capacity (also the size when free memory
+      is unknown, e.g. on the CPU).
+    page_size: with ``kv="paged"``, positions per page (a multiple of 16).
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
   """
 
@@ -313,6 +386,9 @@ class Engine:
   schedule: Any = None
   rounds_per_call: int = 16
   refill_at: int = 1
+  kv: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int = paging.DEFAULT_PAGE_SIZE
   mode: Any = None
   memory_stats: Any = None
   headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES
@@ -326,6 +402,13 @@ class Engine:
     self.refill_at = _check_positive("refill_at", self.refill_at)
     if self.max_seq_len is not None:
       self.max_seq_len = _check_positive("max_seq_len", self.max_seq_len)
+    if self.kv not in KV_FORMS:
+      raise ValueError(f"kv: expected one of {KV_FORMS}, got {self.kv!r}")
+    self.page_size = paging.check_page_size(self.page_size)
+    if self.num_pages is not None:
+      if self.kv != "paged":
+        raise ValueError("num_pages: only a paged cache has a pool (pass kv='paged')")
+      self.num_pages = _check_positive("num_pages", self.num_pages)
     if self.spec:
       if self.draft is None:
         raise ValueError("draft: required for speculative decoding (pass spec=False for the "
@@ -333,6 +416,30 @@ class Engine:
       self.draft.config.check_against(self.target.config)
       host.check_pair(self.target, self.draft)
     loop.check_schedule(self.schedule, self.draft, self.spec)
+
+  def _pool(self, slots_n: int, max_pages: int) -> int:
+    """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and
+    the decoding buffers (`LOGIT_BUFFERS` float32 [S, γ + 1, V]), at most S full slots."""
+    if self.num_pages is not None:
+      return self.num_pages
+    most = slots_n * max_pages
+    target = self.target.config
+    per_token = page_alloc.token_bytes(target.num_layers, target.layer.num_kv_heads,
+                                       target.layer.head_dim, np.dtype(target.dtype).itemsize)
+    if self.spec:
+      draft = self.draft
+      per_token += page_alloc.token_bytes(len(draft.layers), draft.shape.num_kv_heads,
+                                          draft.shape.head_dim,
+                                          np.dtype(draft.config.dtype).itemsize)
+    gamma = self.draft.config.gamma if self.spec else 0
+    buffers = LOGIT_BUFFERS * slots_n * (gamma + 1) * target.vocab_size * 4
+    try:
+      fits = page_alloc.pool_pages(self.page_size * per_token, reserve_bytes=buffers,
+                                   memory_stats=self.memory_stats,
+                                   headroom_bytes=self.headroom_bytes)
+    except ValueError:  # free memory unknown (e.g. the CPU): the contiguous caches' memory
+      return most
+    return int(min(fits, most))
 
   def generate(self, prompts, params: sp.SamplingParams, key: jax.Array, *,
                max_new_tokens: int | Sequence[int] = 32,
@@ -353,8 +460,9 @@ class Engine:
 
     Raises:
       ValueError: as `generate`'s, and naming ``prompts`` and the first prompt too long for a slot
-        (``max_seq_len``); RuntimeError: the device ran out of memory (naming S, the cache size and
-        what to lower).
+        (``max_seq_len``) or for the pool, or ``num_pages`` when the pool cannot hold one slot's
+        capacity; RuntimeError: the device ran out of memory (naming S, the cache or pool size
+        and what to lower).
     """
     target, draft, spec, schedule = self.target, self.draft, self.spec, self.schedule
     vocab = target.config.vocab_size
@@ -386,6 +494,9 @@ class Engine:
                          f"{self.max_seq_len}")
       cache_len = tm.cache_slots(self.max_seq_len + margin)
       out_len = host.bucket(self.max_seq_len, host.MIN_BUCKET) + gamma + 1
+    pages = None
+    if self.kv == "paged":
+      pages = _Pages(self, slots_n, cache_len, gamma, lens)
     path, _ = host._choose_path(spec, params, draft, slots_n, vocab, self.mode,
                                 self.memory_stats, self.headroom_bytes, self.store_logits)
     if path == proposal.PATH_EAGER:
@@ -411,51 +522,196 @@ class Engine:
                          store_logits=self.store_logits, backend=choice, schedule=schedule,
                          rounds_per_call=self.rounds_per_call)
     state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs)
+    if pages is not None:
+      state.update(pages.empty_caches(target, draft if spec else None))
     inputs = jax.tree.map(lambda x: jnp.zeros((slots_n,) + x.shape[1:], x.dtype), all_inputs)
     inputs["stop_ids"] = inputs["stop_ids"] - 1
     inputs["stop_seqs"] = inputs["stop_seqs"] - 1
     key = jax.device_put(key)
     run = _Run(count, slots_n, gamma, progress, on_finish)
     queue = collections.deque(range(count))
+    saved: dict[int, dict] = {}  # preempted prompts' row state, until they resume
     owner = np.full(slots_n, -1)
     light_keys = [k for k in state if k not in CACHE_KEYS and k not in GLOBAL_KEYS]
+    light = None
     try:
       while queue or (owner >= 0).any():
+        if pages is not None and light is not None:
+          for slot, index in pages.grow(owner, light):  # preempted, newest first
+            saved[index] = {k: light[k][slot] for k in light_keys}
+            run.preempted[index] += 1
+            queue.appendleft(index)
+            owner[slot] = -1
         free = np.flatnonzero(owner < 0)[:len(queue)]
+        if pages is not None and free.size:
+          heads = [queue[i] for i in range(free.size)]
+          free = free[:pages.admit(free, heads, lens, saved)]
+          if not free.size and not (owner >= 0).any():  # excluded by `_Pages`' checks
+            raise RuntimeError("num_pages: the pool admits no row with every slot empty")
         if free.size:
           taken = np.array([queue.popleft() for _ in free])
           owner[free] = taken
           k = host.bucket(taken.size)
-          width = min(host.bucket(int(lens[taken].max()), host.MIN_BUCKET), cache_len)
           index = np.concatenate([taken, np.full(k - taken.size, taken[0])])
           where = np.concatenate([free, np.full(k - taken.size, slots_n)]).astype(np.int32)
-          args = (*models, state, inputs, padded[index, :width], lens[index],
-                  jax.tree.map(lambda x: x[index], all_inputs), where, key)
+          group, group_lens = _group_prompts(padded, lens, index, saved, cache_len)
+          resume = np.array([int(i) in saved for i in index])
+          row_state = None
+          if pages is not None:
+            row_state = _saved_rows(index, saved, state, light_keys)
+            state.update(pages.with_table(state))
+          args = (*models, state, inputs, group, group_lens,
+                  jax.tree.map(lambda x: x[index], all_inputs), where, key,
+                  None if pages is None else pages.table(), row_state, resume)
           program, seconds = host.compiled(_refill_program, args, refill_statics, donate=(2, 3))
           run.compile(seconds)
           state, inputs = program(*args)
           jax.block_until_ready(state["anchor"])
-          run.admitted(free, taken)
-        need = min(self.refill_at, len(queue)) if queue else slots_n + 1
-        args = (*models, state, inputs, key, np.int32(need))
+          run.admitted(free, taken, resume[:taken.size])
+          for i in taken:
+            saved.pop(int(i), None)
+        if pages is not None:
+          state.update(pages.with_table(state))
+        # slots free now (the pool may have admitted no one into them) + those to wait for
+        need = (int((owner < 0).sum()) + min(self.refill_at, len(queue)) if queue
+                else slots_n + 1)
+        args = (*models, state, inputs, key, np.int32(need), owner < 0)
         program, seconds = host.compiled(_chunk_program, args, chunk_statics, donate=(2,))
         run.compile(seconds)
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
-        run.ran(int(iterations), int(busy))
+        run.ran(int(iterations), int(busy), None if pages is None else pages.in_use)
         for slot in np.flatnonzero((owner >= 0) & light["done"]):
           run.finished(int(owner[slot]), int(slot), light)
           owner[slot] = -1
+          if pages is not None:
+            pages.release(int(slot))
     except Exception as error:  # noqa: BLE001 - only out-of-memory errors are rewritten
       if not _is_out_of_memory(error):
         raise
+      if pages is not None:
+        raise RuntimeError(
+            f"out of device memory with max_batch_size={slots_n} slots over a pool of "
+            f"{pages.num_pages} pages of {pages.page_size} positions (kv='paged'); lower "
+            f"num_pages (pool size) or max_batch_size (concurrency), or raise "
+            f"headroom_bytes") from error
       raise RuntimeError(
           f"out of device memory with max_batch_size={slots_n} slots of {cache_len} cache "
           f"positions each (the longest prompt's bucket + max_new_tokens + 2(γ + 1)); lower "
           f"max_batch_size (concurrency), max_new_tokens or max_seq_len") from error
     finally:
       run.close()
-    return run.result(budgets, path, choice, slots_n, cache_len)
+    return run.result(budgets, path, choice, slots_n, cache_len, pages)
+
+
+def _group_prompts(padded, lens, index, saved, cache_len):
+  """The [K, T] tokens and [K] lengths a refill prefills: each prompt, or for a resumed one its
+  prompt and committed tokens but the last (its anchor), right-padded to a length bucket T."""
+  rows, row_lens = [], []
+  for i in (int(i) for i in index):
+    tokens = padded[i, :lens[i]]
+    if i in saved:
+      count = int(saved[i]["count"])
+      tokens = np.concatenate([tokens, np.asarray(saved[i]["out"][:count - 1], np.int32)])
+    rows.append(tokens)
+    row_lens.append(tokens.size)
+  width = min(host.bucket(max(row_lens), host.MIN_BUCKET), cache_len)
+  group = np.zeros((len(rows), width), np.int32)
+  for r, tokens in enumerate(rows):
+    group[r, :tokens.size] = tokens
+  return group, np.asarray(row_lens, lens.dtype)
+
+
+def _saved_rows(index, saved, state, light_keys):
+  """[K, ...] per-row state entries of the refill's rows: a resumed row's saved state, zeros for
+  a new one (the refill keeps the prefill's values there)."""
+  out = {}
+  for name in light_keys:
+    value = state[name]
+    rows = np.zeros((index.size,) + value.shape[1:], value.dtype)
+    for r, i in enumerate(int(i) for i in index):
+      if i in saved:
+        rows[r] = saved[i][name]
+    out[name] = rows
+  return out
+
+
+class _Pages:
+  """The host side of a paged queue: the pool's `PageAllocator`, admission by free pages, growth
+  before each chunk with preemption of the newest rows, and the pages-in-use statistics."""
+
+  def __init__(self, engine: Engine, slots_n: int, cache_len: int, gamma: int, lens):
+    self.page_size = engine.page_size
+    self.max_pages = int(page_alloc.pages_for(cache_len, self.page_size))
+    self.capacity = self.max_pages * self.page_size
+    self.num_pages = engine._pool(slots_n, self.max_pages)
+    self.lookahead = page_alloc.lookahead(engine.rounds_per_call, gamma)
+    pool = self.num_pages * self.page_size
+    long = np.flatnonzero(lens > pool)
+    if long.size:
+      i = int(long[0])
+      raise ValueError(f"prompts: prompt {i} has {lens[i]} tokens, more than the pool of "
+                       f"num_pages={self.num_pages} pages of {self.page_size} ({pool} positions) "
+                       f"holds")
+    if self.num_pages < self.max_pages:
+      raise ValueError(f"num_pages: a pool of {self.num_pages} pages of {self.page_size} "
+                       f"({pool} positions) cannot hold one row of a slot's capacity, "
+                       f"{self.capacity} positions (prompt + max_new_tokens + 2(γ + 1), or "
+                       f"max_seq_len + 2(γ + 1)); raise num_pages or lower max_seq_len or "
+                       f"max_new_tokens")
+    self.allocator = page_alloc.PageAllocator(self.num_pages, self.page_size, slots_n,
+                                              self.max_pages)
+    self.preemptions = 0
+
+  @property
+  def in_use(self) -> int:
+    return self.num_pages - self.allocator.free_pages
+
+  def want(self, positions):
+    """Positions to hold for rows of `positions` tokens before the next chunk (capped at a
+    slot's capacity, which bounds every write)."""
+    return np.minimum(np.asarray(positions, np.int64) + self.lookahead, self.capacity)
+
+  def empty_caches(self, target, draft):
+    cache = paging.paged_cache(target.config, slots=self.allocator.table.shape[0],
+                               num_pages=self.num_pages, max_pages=self.max_pages,
+                               page_size=self.page_size)
+    caches = {"cache": cache}
+    if draft is not None:
+      caches["context"] = paging.paged_context(draft, cache)
+    return caches
+
+  def table(self):
+    return jnp.asarray(self.allocator.table)
+
+  def with_table(self, state):
+    """The state's caches with the allocator's current block table (a buffer of its own each:
+    the programs donate the state)."""
+    return {name: dataclasses.replace(state[name], table=self.table())
+            for name in CACHE_KEYS if name in state}
+
+  def grow(self, owner, light):
+    """Extends every running row by the lookahead past its length; yields the (slot, prompt) of
+    the rows preempted for it, newest first (their pages freed)."""
+    running = owner >= 0
+    wants = np.where(running, self.want(light["anchor_pos"]), 0)
+    for slot in self.allocator.grow(wants):
+      self.preemptions += 1
+      yield int(slot), int(owner[slot])
+
+  def admit(self, free, heads, lens, saved) -> int:
+    """How many of the queue's head prompts `heads` start now in the free slots `free`, first
+    come first served; each gets pages for its tokens (a resumed row's: up to its anchor) and the
+    lookahead."""
+    positions = [int(saved[i]["anchor_pos"]) if i in saved else int(lens[i]) for i in heads]
+    needs = self.want(positions)
+    n = self.allocator.admit(needs)
+    for slot, need in zip(free[:n], needs[:n]):
+      assert self.allocator.start(int(slot), int(need))
+    return n
+
+  def release(self, slot: int):
+    self.allocator.release(slot)
 
 
 def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs):
@@ -493,8 +749,10 @@ class _Run:
     self.start = time.perf_counter()
     self.compile_seconds = 0.0
     self.admit_at = np.zeros(count)
+    self.preempted = np.zeros(count, np.int64)
     self.first_at = np.zeros(count)
     self.rounds = self.busy = 0
+    self.pages_peak = self.page_rounds = 0
     self.bar = tqdm(total=count, desc="decode", disable=not progress)
 
   def now(self) -> float:
@@ -503,14 +761,19 @@ class _Run:
   def compile(self, seconds: float):
     self.compile_seconds += seconds
 
-  def admitted(self, slots, prompts):
+  def admitted(self, slots, prompts, resumed):
+    """`prompts` took `slots`; a `resumed` one (preempted before) keeps its first times."""
     now = self.now()
-    self.first_at[prompts] = now
-    self.admit_at[prompts] = now
+    self.first_at[prompts[~resumed]] = now
+    self.admit_at[prompts[~resumed]] = now
 
-  def ran(self, iterations: int, busy: int):
+  def ran(self, iterations: int, busy: int, pages: int | None):
+    """A chunk ran `iterations` with `busy` busy slot-iterations and `pages` pages in use."""
     self.rounds += iterations
     self.busy += busy
+    if pages is not None:
+      self.pages_peak = max(self.pages_peak, pages)
+      self.page_rounds += pages * iterations
 
   def finished(self, index: int, slot: int, light):
     n = int(light["count"][slot])
@@ -529,7 +792,7 @@ class _Run:
         verified=verified,
         reached=per_position("row_reached"), accepted=per_position("row_hits"),
         ttft_seconds=float(self.first_at[index]), seconds=self.now() - self.admit_at[index],
-        slot=slot)
+        slot=slot, preempted=int(self.preempted[index]))
     self.results[index] = result
     self.bar.update(1)
     if self.on_finish is not None:
@@ -538,7 +801,7 @@ class _Run:
   def close(self):
     self.bar.close()
 
-  def result(self, budgets, path, choice, slots_n, cache_len) -> QueueResult:
+  def result(self, budgets, path, choice, slots_n, cache_len, pages) -> QueueResult:
     width = int(budgets.max())
     tokens = np.full((self.count, width), -1, np.int32)
     for r in self.results:
@@ -549,4 +812,10 @@ class _Run:
         slot_rounds=self.rounds * slots_n, busy_slot_rounds=self.busy,
         wall_seconds=self.now(), compile_seconds=self.compile_seconds,
         path=path, backend=choice,
-        max_batch_size=slots_n, cache_len=cache_len)
+        max_batch_size=slots_n, cache_len=cache_len,
+        kv="contiguous" if pages is None else "paged",
+        num_pages=None if pages is None else pages.num_pages,
+        page_size=None if pages is None else pages.page_size,
+        pages_peak=self.pages_peak,
+        pages_mean=self.page_rounds / self.rounds if self.rounds else 0.0,
+        preemptions=0 if pages is None else pages.preemptions)

@@ -89,11 +89,16 @@ def _with_stop_index(new, state, stopped, hit, index):
 
 
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len,
-             stop_seqs=None, schedule=None, trace=False):
-  """Runs the prompts, samples the first token, builds the initial loop state."""
+             stop_seqs=None, schedule=None, trace=False, cache=None, context=None):
+  """Runs the prompts, samples the first token, builds the initial loop state.
+
+  `cache`/`context` (optional): the target's and the draft's caches to write the prompts into
+  (e.g. paged ones whose tables hold these rows' pages); None builds contiguous ones of
+  `cache_len` positions."""
   batch, prompt_len = prompt.shape
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  cache = tm.init_cache(target.config, batch, cache_len)
+  if cache is None:
+    cache = tm.init_cache(target.config, batch, cache_len)
   logits, features, cache = target(prompt, positions, cache)
   last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   keys = sampling.row_keys(key, rows["seeds"], prompt_lens, sampling.Stream.TARGET)
@@ -116,7 +121,9 @@ def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, c
                done=stopped | (count >= max_new))
   if draft is not None:
     gamma = draft.config.gamma
-    state["context"] = draft.extend_context(features, positions, draft.init_context(batch, cache_len))
+    if context is None:
+      context = draft.init_context(batch, cache_len)
+    state["context"] = draft.extend_context(features, positions, context)
     state["reached"] = jnp.zeros((gamma,), jnp.int32)
     state["accepted"] = jnp.zeros((gamma,), jnp.int32)
     state["row_rounds"] = jnp.zeros((batch,), jnp.int32)
