@@ -149,6 +149,9 @@ class QueueResult:
       (slot, iteration) pairs whose slot held an unfinished prompt.
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
     path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: slots per row's cache.
+    trace: with ``Engine(trace=True)``, a `loop.RoundTrace` of NumPy arrays whose batch axis is the
+      S slots (not the prompts) and whose rounds are every iteration run, in order ([rounds, S, γ]);
+      an idle slot is inactive. Else None.
   """
 
   results: list[PromptResult]
@@ -163,6 +166,7 @@ class QueueResult:
   backend: Any
   max_batch_size: int
   cache_len: int
+  trace: Any = None
 
   @property
   def occupancy(self) -> float:
@@ -256,7 +260,15 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, *, targe
                    path, store_logits, backend, schedule, rounds_per_call):
   """Up to `rounds_per_call` iterations; stops early once every slot is done or `need` are.
 
+  With a ``trace`` entry in `state` (`Engine.trace`: buffers of ``rounds_per_call`` rounds), the
+  chunk's iteration i is recorded at index i: the round counter runs from 0 inside the chunk and is
+  restored to the global count after it (it keys nothing else without a stateful schedule).
+
   Returns ``(state, iterations run, busy slot-iterations)``."""
+  traced = "trace" in state
+  start = state["rounds"]
+  if traced:
+    state = dict(state, rounds=jnp.zeros_like(start))
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   body = loop.iteration(target, draft, path, inputs["max_new"], inputs["rows"], inputs["stop_ids"],
@@ -272,7 +284,10 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, *, targe
     state, i, busy = carry
     return body(state), i + 1, busy + jnp.sum(~state["done"], dtype=jnp.int32)
 
-  return jax.lax.while_loop(more, step, (state, jnp.int32(0), jnp.int32(0)))
+  state, i, busy = jax.lax.while_loop(more, step, (state, jnp.int32(0), jnp.int32(0)))
+  if traced:
+    state = dict(state, rounds=start + i)
+  return state, i, busy
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -303,6 +318,8 @@ class Engine:
     refill_at: a chunk returns to the host once this many slots are free (fewer while the queue
       holds fewer prompts); larger values refill in bigger groups, less often.
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
+    trace: record every iteration's `loop.RoundTrace` per slot (`QueueResult.trace`); speculative
+      decoding with no schedule or a stateless one only.
   """
 
   target: tm.TargetModel
@@ -319,6 +336,7 @@ class Engine:
   store_logits: bool = True
   backend: str | None = None
   config: Any = None
+  trace: bool = False
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
@@ -333,6 +351,13 @@ class Engine:
       self.draft.config.check_against(self.target.config)
       host.check_pair(self.target, self.draft)
     loop.check_schedule(self.schedule, self.draft, self.spec)
+    if self.trace:
+      if not self.spec:
+        raise ValueError("trace: only speculative decoding has rounds to trace (got spec=False)")
+      gamma = self.draft.config.gamma
+      if self.schedule is not None and jax.tree.leaves(self.schedule.init(1, gamma)):
+        raise ValueError("trace: the queue traces only stateless schedules (a stateful one keys "
+                         "its draft noise by the round counter the trace reuses)")
 
   def generate(self, prompts, params: sp.SamplingParams, key: jax.Array, *,
                max_new_tokens: int | Sequence[int] = 32,
@@ -411,6 +436,8 @@ class Engine:
                          store_logits=self.store_logits, backend=choice, schedule=schedule,
                          rounds_per_call=self.rounds_per_call)
     state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs)
+    if self.trace:
+      state["trace"] = _trace_buffers(self.rounds_per_call, slots_n, gamma)
     inputs = jax.tree.map(lambda x: jnp.zeros((slots_n,) + x.shape[1:], x.dtype), all_inputs)
     inputs["stop_ids"] = inputs["stop_ids"] - 1
     inputs["stop_seqs"] = inputs["stop_seqs"] - 1
@@ -443,6 +470,8 @@ class Engine:
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
         run.ran(int(iterations), int(busy))
+        if self.trace:
+          run.traced(jax.device_get(state["trace"]), int(iterations))
         for slot in np.flatnonzero((owner >= 0) & light["done"]):
           run.finished(int(owner[slot]), int(slot), light)
           owner[slot] = -1
@@ -456,6 +485,14 @@ class Engine:
     finally:
       run.close()
     return run.result(budgets, path, choice, slots_n, cache_len)
+
+
+def _trace_buffers(rounds, slots_n, gamma):
+  """Zeroed `loop.RoundTrace` buffers (a dict) of `rounds` iterations over S slots."""
+  return {"confidence": jnp.full((rounds, slots_n, gamma), jnp.nan, jnp.float32),
+          "verify_lens": jnp.zeros((rounds, slots_n), jnp.int32),
+          "accept_len": jnp.zeros((rounds, slots_n), jnp.int32),
+          "active": jnp.zeros((rounds, slots_n), bool)}
 
 
 def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs):
@@ -495,6 +532,7 @@ class _Run:
     self.admit_at = np.zeros(count)
     self.first_at = np.zeros(count)
     self.rounds = self.busy = 0
+    self.traces: list[dict] = []
     self.bar = tqdm(total=count, desc="decode", disable=not progress)
 
   def now(self) -> float:
@@ -511,6 +549,9 @@ class _Run:
   def ran(self, iterations: int, busy: int):
     self.rounds += iterations
     self.busy += busy
+
+  def traced(self, trace, iterations: int):
+    self.traces.append({k: np.asarray(v)[:iterations] for k, v in trace.items()})
 
   def finished(self, index: int, slot: int, light):
     n = int(light["count"][slot])
@@ -549,4 +590,6 @@ class _Run:
         slot_rounds=self.rounds * slots_n, busy_slot_rounds=self.busy,
         wall_seconds=self.now(), compile_seconds=self.compile_seconds,
         path=path, backend=choice,
-        max_batch_size=slots_n, cache_len=cache_len)
+        max_batch_size=slots_n, cache_len=cache_len,
+        trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
+                                 for k in self.traces[0]}) if self.traces else None)
