@@ -242,7 +242,7 @@ def test_figures_are_written_without_touching_the_backend(tmp_path):
 
 # ---- end to end on the shipped pair --------------------------------------------------------------------
 
-CALIBRATE = ["--prompts", "3", "--max-new-tokens", "16", "--temperatures", "0", "--concurrency", "2"]
+CALIBRATE = ["--prompts", "3", "--max-new-tokens", "16", "--temperatures", "0", "--concurrency", "4"]
 
 
 @pytest.mark.slow  # one decode program (~8 s to compile on 2 cores)
@@ -259,7 +259,7 @@ def test_calibrate_writes_the_sts_fit_of_its_trace(tmp_path, capsys):
   # The command fits the raw head: the shipped draft's own temperatures are set aside.
   assert "own temperatures were set aside" in printed
   raw = cs.with_temperatures(pair.draft, None)
-  traces = cs.trace_rounds(pair.target, raw, ids, temperatures=[0.0], concurrency=2,
+  traces = cs.trace_rounds(pair.target, raw, ids, temperatures=[0.0], concurrency=4,
                            max_new_tokens=16, stop_token_ids=pair.tokenizer.stop_token_ids)
   confidence, accept = cs.full_rounds(traces)
   assert document["rounds"] == accept.size
@@ -279,7 +279,7 @@ def test_eval_schedule_reports_each_schedule(tmp_path, capsys):
   table = tmp_path / "sps.json"
   schedules.save_sps(table, ([1, 64], [30.0, 30.0]), {"device": "test", "date": "2026-12-02"})
   assert cli.main(["eval", "--schedule", "fixed,prefix", "--sps", str(table), "--prompts", "3",
-                   "--max-new-tokens", "16", "--temperatures", "0", "--batch-size", "2",
+                   "--max-new-tokens", "16", "--temperatures", "0", "--batch-size", "4",
                    "--out", str(tmp_path / "ev"), "--json"]) == 0
   document = json.loads(capsys.readouterr().out)
   assert json.load(open(tmp_path / "ev" / "schedules.json")) == document
