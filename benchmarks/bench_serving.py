@@ -11,9 +11,10 @@ shipped trained pair (`models.shipped`) on its held-out prompts
 ``--temperature`` (default 0).
 
 * **Occupancy** (``occupancy`` in ``--studies``): the prompts through S = ``--slots`` slots of a
-  `dj.Engine` (``--refill-at``, default 1; ``--rounds-per-call``, default 16; slots sized for the longest prompt + ``HI``), against today's static
-  batches: consecutive `dj.generate` calls of S prompts each (a batch runs until its longest row
-  ends), in the same run on the same prompts. Reported: occupancy (busy slot-iterations over all
+  `dj.Engine` (``--refill-at``, default 1; ``--rounds-per-call``, default 16; every engine's slots
+  hold the longest possible prompt + ``HI``), against today's static batches: consecutive
+  `dj.generate` calls of S prompts each (a batch runs until its longest row ends), in the same run
+  on the same prompts. Reported: occupancy (busy slot-iterations over all
   slot-iterations; for the static batches, Σ rounds per row over S × the batch's rounds), tokens/s
   of each (compilation excluded), and their ratio.
 * **Throughput** (``throughput``): at each concurrency c of ``--concurrency`` (default 1, 4, 16,
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="S of the occupancy run (default 64; --small: 4)")
   parser.add_argument("--concurrency", type=harness.int_list, default=None,
                       help="throughput study concurrencies (default 1,4,16,64,128,256; --small: "
-                           "1,4)")
+                           "4)")
   parser.add_argument("--per-slot", type=int, default=4,
                       help="throughput study: prompts per slot at each concurrency (default 4)")
   parser.add_argument("--min-prompts", type=int, default=None,
@@ -94,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.lengths = args.lengths or ([2, 24] if small else [16, 1024])
   args.prompt_len = args.prompt_len or (8 if small else 128)
   args.slots = args.slots or (4 if small else 64)
-  args.concurrency = args.concurrency or ([1, 4] if small else [1, 4, 16, 64, 128, 256])
+  args.concurrency = args.concurrency or ([4] if small else [1, 4, 16, 64, 128, 256])
   args.min_prompts = args.min_prompts or (4 if small else 32)
   if small and args.repeats == 3:
     args.repeats = 1
@@ -146,6 +147,9 @@ class Workload:
       self.name = "Qwen3-4B-shaped random pair" if not args.small else "tiny random pair"
     self.prompt_len = args.prompt_len
     self.vocab = self.target.config.vocab_size
+    # The longest possible prompt + HI for every engine: engines of equal S share their programs.
+    longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
+    self.max_seq_len = longest + args.lengths[1]
 
   def prompts(self, count: int, seed: int) -> list[list[int]]:
     if self.held_out is not None:
@@ -201,9 +205,8 @@ def occupancy_study(work: Workload, args) -> dict:
   low, high = args.lengths
   budgets = output_lengths(args.prompts, low, high, args.seed)
   prompts = work.prompts(args.prompts, args.seed)
-  longest = max(len(p) for p in prompts)
   engine = dj.Engine(work.target, work.draft, max_batch_size=args.slots,
-                     max_seq_len=longest + high, refill_at=args.refill_at,
+                     max_seq_len=work.max_seq_len, refill_at=args.refill_at,
                      rounds_per_call=args.rounds_per_call)
   warm = min(len(prompts), 2 * args.slots)
   for _ in range(args.warmup):
@@ -235,7 +238,6 @@ def throughput_study(work: Workload, args) -> list[dict]:
     count = max(args.per_slot * c, args.min_prompts)
     budgets = output_lengths(count, low, high, args.seed + c)
     prompts = work.prompts(count, args.seed + c)
-    longest = max(len(p) for p in prompts)
     sps = None
     if any(s != "fixed" for s in args.schedules):
       context = int(np.mean([len(p) for p in prompts])) + low
@@ -246,7 +248,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
     for name in args.schedules:
       schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(sps),
                   "prefix": lambda: dj.schedules.prefix(sps)}[name]
-      engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=longest + high,
+      engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=work.max_seq_len,
                          schedule=schedule() if schedule else None, refill_at=args.refill_at,
                          rounds_per_call=args.rounds_per_call)
       warm = min(count, 2 * c)

@@ -182,11 +182,11 @@ def plot_serving(document, path: str | os.PathLike, *, title: str | None = None)
     ax.plot(users, gpus, marker="o", label=name)
     for c, u, g in items:
       ax.annotate(f"c={c}", (u, g), textcoords="offset points", xytext=(3, 3), fontsize=6)
-  positive = [u > 0 and g > 0 for items in curves.values() for _, u, g in items]
-  if all(positive) and not any(math.isnan(v) for items in curves.values()
-                               for _, u, g in items for v in (u, g)):
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+  for axis, values in ((ax.xaxis, [u for items in curves.values() for _, u, _ in items]),
+                       (ax.yaxis, [g for items in curves.values() for _, _, g in items])):
+    finite = [v for v in values if not math.isnan(v)]
+    if finite and min(finite) > 0 and max(finite) > 10 * min(finite):  # log past a decade
+      (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
   ax.set_xlabel("tokens/s per user (mean over prompts)")
   ax.set_ylabel("tokens/s per GPU")
   if title is None and isinstance(document, Mapping):
