@@ -9,6 +9,9 @@
 * `benchmarks.bench_paged`: the target's autoregressive step and verify over a paged KV cache
   (pages in shuffled order, read through the block table) against the contiguous cache, in ms and
   paged / contiguous.
+* `benchmarks.bench_serving`: the queue-driven decode over a dataset of spread output lengths:
+  occupancy and tokens/s against static batches at equal slots, and tokens/s per GPU against
+  tokens/s per user at concurrency 1…256 per verify schedule.
 * `benchmarks.bench_compact`: the sampling block with stored corrected logits against
   ``store_logits=False`` (`CompactLogits`), alone and followed by verification.
 

@@ -126,7 +126,7 @@ def test_law_through_refills():
     (dict(max_batch_size=0), "max_batch_size: must be an integer >= 1, got 0"),
     (dict(max_seq_len=8), "prompts: prompt 1 has 5 tokens and max_new_tokens 4, 9 in all"),
     (dict(prompts=[[1], [2, 12]]), "prompts: row 1 token 1 is 12"),
-    (dict(trace=True), "trace: not recorded"),
+    (dict(trace=True, spec=False), "trace: only speculative decoding"),
     (dict(max_batch_size=None, on_finish=print), "on_finish: only the queue-driven decode"),
     (dict(max_batch_size=None, kv="paged"), "kv: only the queue-driven decode"),
     (dict(kv="pages"), "kv: expected one of"),

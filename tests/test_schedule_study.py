@@ -100,14 +100,14 @@ def test_flags_are_named_before_any_model_loads(tmp_path, capsys):
                                               capsys))
   assert "must be strictly increasing" in err
   for flag, value in [("--sps", missing), ("--calibration", missing),
-                      ("--throughput-batches", "1,2")]:
+                      ("--throughput-concurrency", "1,2")]:
     assert f"argument {flag}: needs --schedule" in _error(["eval", flag, value], capsys)
   assert "argument --calibration: " in _error(
       ["eval", "--schedule", "fixed", "--calibration", missing], capsys)
   bad.write_text('{"temperatures": [1.0, -2]}')
   assert "temperatures[1] is -2; must be a finite number > 0" in _error(
       ["eval", "--schedule", "fixed", "--calibration", str(bad)], capsys)
-  assert "argument --throughput-batches: batch sizes must be >= 1, got 0" in _error(
+  assert "--throughput-batches: batch sizes must be >= 1, got 0" in _error(
       ["eval", "--schedule", "fixed", "--throughput-batches", "1,0"], capsys)
   assert "argument --save-draft: needs --target and --draft" in _error(
       ["calibrate", "--out", str(tmp_path / "t.json"), "--save-draft", str(tmp_path)], capsys)
@@ -242,7 +242,7 @@ def test_figures_are_written_without_touching_the_backend(tmp_path):
 
 # ---- end to end on the shipped pair --------------------------------------------------------------------
 
-CALIBRATE = ["--prompts", "3", "--max-new-tokens", "16", "--temperatures", "0", "--batch-size", "4"]
+CALIBRATE = ["--prompts", "3", "--max-new-tokens", "16", "--temperatures", "0", "--concurrency", "4"]
 
 
 @pytest.mark.slow  # one decode program (~8 s to compile on 2 cores)
@@ -259,7 +259,7 @@ def test_calibrate_writes_the_sts_fit_of_its_trace(tmp_path, capsys):
   # The command fits the raw head: the shipped draft's own temperatures are set aside.
   assert "own temperatures were set aside" in printed
   raw = cs.with_temperatures(pair.draft, None)
-  traces = cs.trace_rounds(pair.target, raw, ids, temperatures=[0.0], batch_size=4,
+  traces = cs.trace_rounds(pair.target, raw, ids, temperatures=[0.0], concurrency=4,
                            max_new_tokens=16, stop_token_ids=pair.tokenizer.stop_token_ids)
   confidence, accept = cs.full_rounds(traces)
   assert document["rounds"] == accept.size

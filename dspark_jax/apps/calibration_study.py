@@ -3,11 +3,13 @@
 This module owns the data and the fit behind the STS temperatures of SPEC §7:
 
 * **Drafts and traces.** `with_temperatures` returns a copy of a draft whose `ConfidenceHead`
-  applies given temperatures (``None``: the raw head). `decode_batches` runs `generate` over
-  prompts a batch at a time (row i seeded ``seed + i``), the decoding every study shares.
-  `trace_rounds` decodes prompts with ``trace=True`` and the fixed schedule; `full_rounds` keeps the
-  active rounds, all of which verified every position, as the data of `calibration.fit_sts`: the
-  head's confidence [N, γ] and the accepted run [N].
+  applies given temperatures (``None``: the raw head). `decode_queue` runs the queue-driven
+  `generate` over prompts through ``concurrency`` slots (`decoding.queue`; prompt i seeded
+  ``seed + i``), the decoding every study shares. `trace_rounds` decodes prompts with ``trace=True``
+  and the fixed schedule (the queue's trace: per slot and iteration); `full_rounds` keeps the active
+  rounds that verified every position, as the data of `calibration.fit_sts`: the head's confidence
+  [N, γ] and the accepted run [N]. Without a schedule each prompt's rounds are those of decoding it
+  alone, so the data do not depend on the concurrency (on the CPU, exactly).
 * **The fit.** `fit_calibration` fits the STS temperatures and reports ECE and AUC per position
   before and after (`Calibration`); `calibrate` does both for a pair, always starting from the raw
   head. `save_calibration` / `load_temperatures` write and read them as JSON;
@@ -68,50 +70,64 @@ def _stop_ids(stop_token_ids) -> list[int]:
   return [int(i) for i in stop_token_ids]
 
 
-def decode_batches(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float,
-                   batch_size: int, max_new_tokens: int, stop_token_ids, seed: int, schedule,
-                   trace: bool) -> list[decoding.GenerateResult]:
-  """`generate` over `prompts` in order, `batch_size` at a time: one `GenerateResult` per batch.
+def concurrency_of(concurrency, batch_size, default: int = 8) -> int:
+  """`concurrency`, or the deprecated `batch_size` alias (a `DeprecationWarning`), or `default`.
 
-  Every row samples at `temperature`; prompt i has seed ``seed + i`` and every batch is keyed
+  Raises:
+    ValueError: both given, or the value not an integer >= 1 (naming the argument).
+  """
+  if batch_size is not None:
+    if concurrency is not None:
+      raise ValueError("batch_size: a deprecated alias of concurrency; pass one of them")
+    import warnings
+    warnings.warn("batch_size is deprecated: the studies decode through the queue; pass "
+                  "concurrency", DeprecationWarning, stacklevel=3)
+    concurrency, name = batch_size, "batch_size"
+  else:
+    concurrency, name = (default if concurrency is None else concurrency), "concurrency"
+  if isinstance(concurrency, bool) or not isinstance(concurrency, (int, np.integer)) \
+      or concurrency < 1:
+    raise ValueError(f"{name}: must be an integer >= 1, got {concurrency!r}")
+  return int(concurrency)
+
+
+def decode_queue(target, draft, prompts: Sequence[Sequence[int]], *, temperature: float,
+                 concurrency: int, max_new_tokens: int, stop_token_ids, seed: int, schedule,
+                 trace: bool) -> decoding.QueueResult:
+  """The queue-driven `generate` over `prompts` through min(`concurrency`, N) slots.
+
+  Every row samples at `temperature`; prompt i has seed ``seed + i``, every prompt the key
   ``jax.random.key(seed)``. `schedule` (None: the fixed schedule) and `trace` go to `generate`.
 
   Raises:
-    ValueError: `batch_size` not an integer >= 1, no prompts, and `generate`'s own errors.
+    ValueError: `concurrency` not an integer >= 1, no prompts, and `generate`'s own errors.
   """
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+  concurrency = concurrency_of(concurrency, None)
   if not prompts:
     raise ValueError("prompts: empty")
-  results = []
-  for start in range(0, len(prompts), batch_size):
-    rows = range(start, min(start + batch_size, len(prompts)))
-    params = sp.SamplingParams(temperature=np.full(len(rows), float(temperature)),
-                               seed=np.asarray(rows) + seed)
-    results.append(decoding.generate(
-        target, draft, [list(prompts[i]) for i in rows], params, jax.random.key(seed),
-        max_new_tokens=max_new_tokens, stop_token_ids=_stop_ids(stop_token_ids),
-        schedule=schedule, trace=trace))
-  return results
+  params = sp.SamplingParams(temperature=np.full(len(prompts), float(temperature)),
+                             seed=np.arange(len(prompts)) + seed)
+  return decoding.generate(
+      target, draft, [list(p) for p in prompts], params, jax.random.key(seed),
+      max_new_tokens=max_new_tokens, stop_token_ids=_stop_ids(stop_token_ids), schedule=schedule,
+      trace=trace, max_batch_size=min(concurrency, len(prompts)))
 
 
 def trace_rounds(target, draft, prompts: Sequence[Sequence[int]], *,
-                 temperatures: Sequence[float] = (0.0,), batch_size: int = 8,
+                 temperatures: Sequence[float] = (0.0,), concurrency: int | None = None,
                  max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (),
-                 seed: int = 0) -> list[decoding.RoundTrace]:
+                 seed: int = 0, batch_size: int | None = None) -> list[decoding.RoundTrace]:
   """Per-round traces of fixed-schedule decodes of `prompts` at each sampling temperature.
 
-  One `RoundTrace` per (temperature, batch), in that order: confidence [R, b, γ] as `draft`'s head
-  emits it, verify_lens, accept_len, active [R, b].
+  The prompts go through `concurrency` slots (default 8; `batch_size` is its deprecated alias).
+  One `RoundTrace` per temperature: confidence [R, S, γ] as `draft`'s head emits it, verify_lens,
+  accept_len, active [R, S], over the iterations run and the slots (`QueueResult.trace`).
   """
-  traces = []
-  for temperature in temperatures:
-    for result in decode_batches(target, draft, prompts, temperature=temperature,
-                                 batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                 stop_token_ids=stop_token_ids, seed=seed, schedule=None,
-                                 trace=True):
-      traces.append(result.trace)
-  return traces
+  concurrency = concurrency_of(concurrency, batch_size)
+  return [decode_queue(target, draft, prompts, temperature=temperature, concurrency=concurrency,
+                       max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
+                       schedule=None, trace=True).trace
+          for temperature in temperatures]
 
 
 def full_rounds(traces: Sequence[decoding.RoundTrace]) -> tuple[np.ndarray, np.ndarray]:
@@ -193,13 +209,15 @@ def fit_calibration(confidence, accept_len, *, bins: int = 15, traces=()) -> Cal
 
 
 def calibrate(target, draft, prompts: Sequence[Sequence[int]], *,
-              temperatures: Sequence[float] = (0.0,), batch_size: int = 8,
+              temperatures: Sequence[float] = (0.0,), concurrency: int | None = None,
               max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (), seed: int = 0,
-              bins: int = 15) -> Calibration:
+              bins: int = 15, batch_size: int | None = None) -> Calibration:
   """Decodes `prompts` with the draft's raw confidence head (its own temperatures set aside),
-  fixed schedule, ``trace=True``, and fits STS on every round (`fit_calibration`)."""
+  fixed schedule, ``trace=True``, through `concurrency` slots (default 8; `batch_size` is its
+  deprecated alias), and fits STS on every round (`fit_calibration`)."""
   raw = with_temperatures(draft, None)
-  traces = trace_rounds(target, raw, prompts, temperatures=temperatures, batch_size=batch_size,
+  concurrency = concurrency_of(concurrency, batch_size)
+  traces = trace_rounds(target, raw, prompts, temperatures=temperatures, concurrency=concurrency,
                         max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)
   confidence, accept_len = full_rounds(traces)
   return fit_calibration(confidence, accept_len, bins=bins, traces=traces)

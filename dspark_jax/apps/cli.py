@@ -21,14 +21,16 @@
   With ``--schedule fixed,threshold:0.5,prefix,top_k[:lag]`` (either pair), the schedule study
   instead (`dspark_jax.apps.schedule_study`): per schedule and temperature, τ with its interval,
   verify tokens per round, acceptance rate (accepted / verified drafts), per-position acceptance
-  and tokens/s, decoded ``--batch-size`` rows at a time (default 8). ``prefix``/``top_k`` read
+  and tokens/s, decoded through ``--concurrency`` slots of the queue (default 8; ``--batch-size`` is
+  its deprecated alias). ``prefix``/``top_k`` read
   ``--sps FILE.json`` (`schedules.save_sps`), else a table measured now by ``profile_sps`` on the
   current device (saved in ``--out``). ``--calibration FILE.json`` (from ``calibrate``) sets the
-  draft's confidence temperatures first; ``--throughput-batches 1,16,64`` adds tokens/s per batch
-  size and its plot. ``--json`` prints the JSON document instead of the table.
+  draft's confidence temperatures first; ``--throughput-concurrency 1,16,64`` adds tokens/s per
+  concurrency and its plot. ``--json`` prints the JSON document instead of the table.
 * ``dspark-jax calibrate --out FILE.json [--target DIR --draft DIR --dataset FILE]``: decodes a
   calibration set (the shipped pair: held-out prompts from ``--first-prompt``, default 42; the
-  schedule study evaluates on the first 42) with the fixed schedule and ``trace=True``, fits the
+  schedule study evaluates on the first 42) with the fixed schedule and ``trace=True`` through
+  ``--concurrency`` slots of the queue (default 8; ``--batch-size`` is a deprecated alias), fits the
   confidence head's STS temperatures, prints ECE and AUC per position before/after, writes the
   temperatures (JSON) and a reliability diagram; ``--save-draft DIR`` writes a pretrained draft
   with them (``confidence_temperatures`` in its DeepSpec config).
@@ -86,10 +88,9 @@ def _parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--concurrency", type=flags.positive, default=None,
                         help="slots decoding at once, each taking the next prompt as its row "
                              "finishes (default: all prompts for the shipped study; 1 with "
-                             "--dataset)")
+                             "--dataset; 8 with --schedule)")
   evaluate.add_argument("--batch-size", type=flags.positive, default=None,
-                        help="with --schedule: rows per static batch (default 8); otherwise a "
-                             "deprecated alias of --concurrency")
+                        help="deprecated alias of --concurrency")
   evaluate.add_argument("--max-new-tokens", type=flags.positive, default=None,
                         help="default: 128 for the shipped study, 2048 for a dataset")
   evaluate.add_argument("--temperatures", "--temperature", dest="temperatures",
@@ -110,8 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                              "measured now with profile_sps)")
   evaluate.add_argument("--calibration", default=None,
                         help="with --schedule: temperatures JSON from calibrate, set on the draft")
-  evaluate.add_argument("--throughput-batches", type=flags.batch_sizes, default=None,
-                        help="with --schedule: also tokens/s at these batch sizes, e.g. 1,16,64")
+  evaluate.add_argument("--throughput-concurrency", "--throughput-batches",
+                        dest="throughput_batches", type=flags.batch_sizes, default=None,
+                        help="with --schedule: also tokens/s at these concurrencies, e.g. 1,16,64")
   evaluate.add_argument("--json", action="store_true",
                         help="print the JSON document instead of the table")
 
@@ -123,7 +125,10 @@ def _parser() -> argparse.ArgumentParser:
                          default=None, help="number of prompts (default: all from --first-prompt)")
   calibrate.add_argument("--first-prompt", type=flags.nonnegative, default=None,
                          help="skip the first N prompts (default: 42 for the shipped pair, else 0)")
-  calibrate.add_argument("--batch-size", type=flags.positive, default=8)
+  calibrate.add_argument("--concurrency", type=flags.positive, default=None,
+                         help="slots decoding at once (the queue; default 8)")
+  calibrate.add_argument("--batch-size", type=flags.positive, default=None,
+                         help="deprecated alias of --concurrency")
   calibrate.add_argument("--max-new-tokens", type=flags.positive, default=None,
                          help="default: 128 for the shipped pair, 512 for a dataset")
   calibrate.add_argument("--temperatures", "--temperature", dest="temperatures",
@@ -257,21 +262,14 @@ def evaluate(args) -> int:
 
   from dspark_jax.apps import evaluation
 
+  flags.concurrency_alias(args, "eval")
   if args.schedule is not None:
     from dspark_jax.apps import schedule_commands
-    if args.concurrency is not None:
-      flags.fail("eval", "--concurrency", "not with --schedule (the schedule study decodes static "
-                                          "batches: --batch-size)")
     return schedule_commands.evaluate_schedules(args)
-  for flag in ("sps", "calibration", "throughput_batches"):
+  for flag, name in (("sps", "sps"), ("calibration", "calibration"),
+                     ("throughput_batches", "throughput-concurrency")):
     if getattr(args, flag) is not None:
-      flags.fail("eval", "--" + flag.replace("_", "-"), "needs --schedule")
-  if args.batch_size is not None:
-    if args.concurrency is not None:
-      flags.fail("eval", "--batch-size", "a deprecated alias of --concurrency: pass one of them")
-    print("dspark-jax eval: --batch-size is deprecated without --schedule; use --concurrency",
-          file=sys.stderr)
-    args.concurrency = args.batch_size
+      flags.fail("eval", "--" + name, "needs --schedule")
   results_file = args.out if args.out.endswith(".jsonl") else None
   if results_file is not None and args.dataset is None:
     flags.fail("eval", "--out", "a .jsonl results file needs --dataset")

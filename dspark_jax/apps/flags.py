@@ -9,6 +9,7 @@
   --chat-kwargs`` to a subcommand and `load_models` loads what they name (the shipped pair without
   ``--target``).
 * `fail`: the error exit of a flag that parsed but cannot be used, worded as argparse words its own.
+* `concurrency_alias`: ``--batch-size``, the deprecated alias of ``--concurrency``, read into it.
 """
 
 from __future__ import annotations
@@ -134,6 +135,19 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def fail(command: str, flag: str, message: str):
   """Exits (SystemExit) with ``dspark-jax COMMAND: error: argument FLAG: MESSAGE``."""
   raise SystemExit(f"dspark-jax {command}: error: argument {flag}: {message}")
+
+
+def concurrency_alias(args, command: str) -> None:
+  """Moves ``--batch-size`` (deprecated: the decodes run through the queue) into
+  ``args.concurrency``, with a note on stderr; exits if both are given."""
+  import sys
+
+  if args.batch_size is None:
+    return
+  if args.concurrency is not None:
+    fail(command, "--batch-size", "a deprecated alias of --concurrency: pass one of them")
+  print(f"dspark-jax {command}: --batch-size is deprecated; use --concurrency", file=sys.stderr)
+  args.concurrency, args.batch_size = args.batch_size, None
 
 
 def load_models(args, command: str, *, need_draft: bool):

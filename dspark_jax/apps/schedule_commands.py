@@ -109,12 +109,12 @@ def evaluate_schedules(args) -> int:
       draft = calibration_study.with_temperatures(draft, temperatures_file)
     except ValueError as error:
       flags.fail("eval", "--calibration", str(error))
-  batch_size = args.batch_size or 8
+  concurrency = args.concurrency or 8
   temperatures = args.temperatures or ([0.0, 1.0] if held_out else [1.0])
   max_new_tokens = args.max_new_tokens or (128 if held_out else 2048)
   os.makedirs(args.out, exist_ok=True)
   gamma = draft.config.gamma
-  largest = max([batch_size] + list(args.throughput_batches or []))
+  largest = max([concurrency] + list(args.throughput_batches or []))
   if needs_sps and sps is None:
     context = int(round(np.mean([len(p) for p in ids]) + max_new_tokens / 2))
     path = os.path.join(args.out, "sps.json")
@@ -133,7 +133,7 @@ def evaluate_schedules(args) -> int:
             for s in specs if not s.lossless]
   try:
     rows = schedule_study.compare_schedules(
-        target, draft, ids, specs, sps=sps, temperatures=temperatures, batch_size=batch_size,
+        target, draft, ids, specs, sps=sps, temperatures=temperatures, concurrency=concurrency,
         max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=args.seed,
         progress=not args.json)
     throughput = []
@@ -144,7 +144,7 @@ def evaluate_schedules(args) -> int:
           seed=args.seed, progress=not args.json)
   except ValueError as error:
     raise SystemExit(f"dspark-jax eval: error: {error}") from None
-  document = {"pair": name, **about, "device": _device(), "batch_size": batch_size,
+  document = {"pair": name, **about, "device": _device(), "concurrency": concurrency,
               "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": args.seed,
               "schedules": [s.label for s in specs], "sps": sps_about,
               "calibration": None if args.calibration is None else {
@@ -162,7 +162,7 @@ def evaluate_schedules(args) -> int:
   if args.json:
     print(json.dumps(document, indent=1))
     return 0
-  print(f"{name}: {len(ids)} prompts, batch size {batch_size}, max {max_new_tokens} new tokens, "
+  print(f"{name}: {len(ids)} prompts, concurrency {concurrency}, max {max_new_tokens} new tokens, "
         f"on {_device()}")
   if sps_about is not None:
     print(f"throughput table: {sps_about['source']} (device {sps_about['device']}, "
@@ -172,7 +172,7 @@ def evaluate_schedules(args) -> int:
           + " ".join(f"{t:.3g}" for t in temperatures_file))
   print(schedule_study.format_schedule_table(rows))
   if throughput:
-    print(f"tokens/s by batch size (T = {temperatures[0]:g}):")
+    print(f"tokens/s by concurrency (T = {temperatures[0]:g}):")
     print(schedule_study.format_schedule_table(throughput))
   for note in notes:
     print(f"note: {note}")
@@ -196,6 +196,8 @@ def calibrate(args) -> int:
   folder = os.path.dirname(os.path.abspath(args.out))
   if not os.path.isdir(folder):
     flags.fail("calibrate", "--out", f"{folder} is not a directory")
+  flags.concurrency_alias(args, "calibrate")
+  concurrency = args.concurrency or 8
   held_out = args.dataset is None
   first = args.first_prompt if args.first_prompt is not None else (42 if held_out else 0)
   target, draft, ids, stop_ids, name, about = _pair_and_prompts(args, "calibrate", first=first)
@@ -206,12 +208,12 @@ def calibrate(args) -> int:
   max_new_tokens = args.max_new_tokens or (128 if held_out else 512)
   try:
     result = calibration_study.calibrate(
-        target, draft, ids, temperatures=temperatures, batch_size=args.batch_size,
+        target, draft, ids, temperatures=temperatures, concurrency=concurrency,
         max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=args.seed, bins=args.bins)
   except ValueError as error:
     raise SystemExit(f"dspark-jax calibrate: error: {error}") from None
   meta = {"pair": name, **about, "device": _device(), "sampling_temperatures": temperatures,
-          "max_new_tokens": max_new_tokens, "batch_size": args.batch_size, "seed": args.seed,
+          "max_new_tokens": max_new_tokens, "concurrency": concurrency, "seed": args.seed,
           "grid": "41 log-spaced temperatures in [0.1, 10] (calibration.DEFAULT_GRID)",
           "replaced_temperatures": None if previous is None else
           [float(t) for t in previous[...].tolist()]}

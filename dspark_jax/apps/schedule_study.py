@@ -5,13 +5,14 @@ Schedules are named by `dspark_jax.apps.schedule_specs` (`ScheduleSpec`, `parse_
 traces and the STS fit come from `dspark_jax.apps.calibration_study`; the figures are drawn by
 `dspark_jax.apps.study_figures`. This module owns the measurements:
 
-* **Live comparison.** `compare_schedules` decodes the prompts under each schedule (batches of
-  ``batch_size``, row i seeded ``seed + i``) and reports per schedule a `ScheduleRow`: τ (tokens per
+* **Live comparison.** `compare_schedules` decodes the prompts under each schedule (through
+  ``concurrency`` slots of the queue-driven decode, `decoding.queue`: a slot takes the next prompt
+  as its row finishes; row i seeded ``seed + i``) and reports per schedule a `ScheduleRow`: τ (tokens per
   round: accepted drafts + 1) with its interval, the mean verify tokens per round (anchor
   included), the acceptance rate (accepted drafts over drafts placed in the verify batch, i.e.
   Σ accept_len / Σ (verify_len − 1)) with its interval, per-position conditional acceptance and
   tokens/s (compilation excluded). `throughput_sweep` measures tokens/s per schedule at several
-  batch sizes on the same prompts.
+  concurrencies on the same prompts.
 * **Replay.** `replay` and `threshold_sweep` evaluate a schedule on the rounds of a fixed-schedule
   trace without decoding again: a round whose verify batch holds ℓ drafts accepts min(A, ℓ) of them,
   A being the run the full verification accepted (same draws, same acceptance tests). Each round
@@ -57,7 +58,7 @@ class ScheduleRow:
 
   Attributes:
     schedule: the label (`ScheduleSpec.label`). source: "decode" or "replay".
-    temperature, batch_size: the settings.
+    temperature, batch_size: the settings (`batch_size`: the concurrency, slots decoding at once).
     tau, tau_interval: tokens per round (accepted drafts + 1) and its 95 % interval (prompts as
       units, `evaluation.ratio_interval`).
     verify_tokens: mean tokens verified per round per active row, anchor included.
@@ -123,11 +124,10 @@ def _row(label, source, temperature, batch_size, *, row_accepted, row_rounds, ro
       tokens_per_second=float(tokens_per_second))
 
 
-def _decode_row(label, temperature, batch_size, results) -> ScheduleRow:
-  pooled = evaluation.pool(results)
+def _decode_row(label, temperature, batch_size, result) -> ScheduleRow:
+  pooled = evaluation.pool([result])
   return _row(label, "decode", temperature, batch_size, row_accepted=pooled.row_accepted,
-              row_rounds=pooled.row_rounds,
-              row_verified=np.concatenate([r.row_verified for r in results]),
+              row_rounds=pooled.row_rounds, row_verified=result.row_verified,
               reached=pooled.reached, accepted=pooled.accepted, tokens=pooled.tokens,
               tokens_per_second=pooled.tokens_per_second)
 
@@ -161,16 +161,16 @@ def _check_specs(specs, sps) -> list[ScheduleSpec]:
 
 def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
                       specs: Sequence[ScheduleSpec], *, sps=None,
-                      temperatures: Sequence[float] = (0.0,), batch_size: int = 8,
+                      temperatures: Sequence[float] = (0.0,), concurrency: int | None = None,
                       max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (), seed: int = 0,
-                      progress: bool = False) -> list[ScheduleRow]:
+                      progress: bool = False, batch_size: int | None = None) -> list[ScheduleRow]:
   """Decodes `prompts` under each schedule at each temperature; one `ScheduleRow` per pair.
 
   Args:
     target, draft: the pair; the draft's confidence head as it is (calibrate it first:
       `calibration_study.with_temperatures`).
-    prompts: token-id lists, decoded in order `batch_size` at a time (row i seeded ``seed + i``,
-      every batch keyed ``jax.random.key(seed)``).
+    prompts: token-id lists, decoded through `concurrency` slots (default 8; `batch_size` is its
+      deprecated alias), row i seeded ``seed + i``, every prompt keyed ``jax.random.key(seed)``.
     specs: the schedules (`parse_schedules`). sps: the dense throughput table prefix/top_k read.
     temperatures: sampling temperatures. max_new_tokens, stop_token_ids: per row.
 
@@ -179,16 +179,17 @@ def compare_schedules(target, draft, prompts: Sequence[Sequence[int]],
       schedule that reads it, and `generate`'s own errors.
   """
   specs = _check_specs(specs, sps)
+  concurrency = calibration_study.concurrency_of(concurrency, batch_size)
   built = {spec: spec.build(sps) for spec in specs}
   rows = []
   bar = _bar(len(specs) * len(temperatures), "schedules", progress)
   for temperature in temperatures:
     for spec in specs:
-      results = calibration_study.decode_batches(
-          target, draft, prompts, temperature=temperature, batch_size=batch_size,
+      result = calibration_study.decode_queue(
+          target, draft, prompts, temperature=temperature, concurrency=concurrency,
           max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
           schedule=built[spec], trace=False)
-      rows.append(_decode_row(spec.label, temperature, batch_size, results))
+      rows.append(_decode_row(spec.label, temperature, concurrency, result))
       bar.update(1)
   bar.close()
   return rows
@@ -199,9 +200,9 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
                      temperature: float = 0.0, max_new_tokens: int = 128,
                      stop_token_ids: Sequence[int] = (), seed: int = 0,
                      progress: bool = False) -> list[ScheduleRow]:
-  """tokens/s of each schedule at each batch size b, on the same work: `prompts` decoded b at a
-  time (cycled up to b rows when there are fewer), compilation excluded; one `ScheduleRow` per
-  (b, schedule)."""
+  """tokens/s of each schedule at each concurrency b (`batch_sizes`), on the same work: `prompts`
+  (cycled up to b when there are fewer) through b slots of the queue, compilation excluded; one
+  `ScheduleRow` per (b, schedule)."""
   specs = _check_specs(specs, sps)
   if not prompts:
     raise ValueError("prompts: empty")
@@ -214,11 +215,11 @@ def throughput_sweep(target, draft, prompts: Sequence[Sequence[int]],
   for b in batch_sizes:
     batch = [prompts[i % len(prompts)] for i in range(max(int(b), len(prompts)))]
     for spec in specs:
-      results = calibration_study.decode_batches(
-          target, draft, batch, temperature=temperature, batch_size=int(b),
+      result = calibration_study.decode_queue(
+          target, draft, batch, temperature=temperature, concurrency=int(b),
           max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
           schedule=built[spec], trace=False)
-      rows.append(_decode_row(spec.label, temperature, int(b), results))
+      rows.append(_decode_row(spec.label, temperature, int(b), result))
       bar.update(1)
   bar.close()
   return rows
@@ -245,7 +246,8 @@ def replay(traces: Sequence[decoding.RoundTrace], spec: ScheduleSpec, *, sps=Non
            temperatures=None, temperature: float = math.nan) -> ScheduleRow:
   """`spec`'s decisions on the rounds of fixed-schedule traces (module docstring): per round, the
   schedule sees the (calibrated) confidences of the rows active in it, verifies ``1 + ℓ`` tokens
-  per row and accepts ``min(A, ℓ)``. Each trace is one batch; a stateful schedule's state runs
+  per row and accepts ``min(A, ℓ)``. Each trace is one batch (a queue's trace: its slots, so the
+  row's interval treats slots, not prompts, as the units); a stateful schedule's state runs
   through its rounds in order. Rounds that did not verify every position count as inactive.
 
   Args:

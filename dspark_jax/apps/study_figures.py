@@ -7,12 +7,16 @@ global backend is not touched.
   `schedule_study.ThresholdSweep` values.
 * `plot_throughput`: tokens/s against batch size per schedule, from `schedule_study.ScheduleRow`
   values, with the verify-bound model beside it given a throughput table.
+* `plot_serving`: tokens/s per GPU against tokens/s per user, one line per schedule, each point a
+  concurrency, from the JSON of ``benchmarks/bench_serving.py`` (its ``throughput`` results).
 
 Each saves a PNG and returns its path.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -124,4 +128,71 @@ def plot_throughput(rows: Sequence[ScheduleRow], path: str | os.PathLike, *, sps
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+  return _save(fig, path)
+
+
+def _read_document(document):
+  if isinstance(document, (str, os.PathLike)):
+    try:
+      with open(document, encoding="utf-8") as f:
+        return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+      raise ValueError(f"document: cannot read {document} ({error})") from None
+  return document
+
+
+def serving_points(document) -> dict[str, list[tuple[int, float, float]]]:
+  """``{schedule: [(concurrency, tokens/s per user, tokens/s per GPU), ...]}`` sorted by
+  concurrency, from a ``bench_serving`` JSON document (a dict, or the path of its file).
+
+  Raises:
+    ValueError: an unreadable file, or no ``results.throughput`` list of points with
+      ``concurrency``, ``schedule``, ``per_user_tokens_per_s`` and ``tokens_per_s``.
+  """
+  document = _read_document(document)
+  results = document.get("results") if isinstance(document, Mapping) else None
+  points = results.get("throughput") if isinstance(results, Mapping) else None
+  if not isinstance(points, list) or not points:
+    raise ValueError("document: no results.throughput points (run bench_serving with the "
+                     "throughput study)")
+  out: dict[str, list[tuple[int, float, float]]] = {}
+  for i, point in enumerate(points):
+    try:
+      entry = (int(point["concurrency"]), float(point["per_user_tokens_per_s"]),
+               float(point["tokens_per_s"]))
+      name = str(point["schedule"])
+    except (KeyError, TypeError, ValueError):
+      raise ValueError(f"document: results.throughput[{i}] lacks concurrency, schedule, "
+                       f"per_user_tokens_per_s or tokens_per_s") from None
+    out.setdefault(name, []).append(entry)
+  return {name: sorted(items) for name, items in out.items()}
+
+
+def plot_serving(document, path: str | os.PathLike, *, title: str | None = None) -> str:
+  """tokens/s per GPU (y) against tokens/s per user (x), one line per schedule through its
+  concurrencies (each point labelled c), from a ``bench_serving`` JSON document or file
+  (`serving_points`). Saves a PNG; returns its path."""
+  document = _read_document(document)
+  curves = serving_points(document)
+  fig, axes = _figure(6, 4.2, 1, 1)
+  ax = axes[0][0]
+  for name, items in curves.items():
+    users = [u for _, u, _ in items]
+    gpus = [g for _, _, g in items]
+    ax.plot(users, gpus, marker="o", label=name)
+    for c, u, g in items:
+      ax.annotate(f"c={c}", (u, g), textcoords="offset points", xytext=(3, 3), fontsize=6)
+  for axis, values in ((ax.xaxis, [u for items in curves.values() for _, u, _ in items]),
+                       (ax.yaxis, [g for items in curves.values() for _, _, g in items])):
+    finite = [v for v in values if not math.isnan(v)]
+    if finite and min(finite) > 0 and max(finite) > 10 * min(finite):  # log past a decade
+      (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
+  ax.set_xlabel("tokens/s per user (mean over prompts)")
+  ax.set_ylabel("tokens/s per GPU")
+  if title is None and isinstance(document, Mapping):
+    meta = document.get("meta", {})
+    title = f"{document.get('results', {}).get('pair', '')} on {meta.get('device_kind', '?')}"
+  ax.set_title(title or "serving throughput", fontsize=9)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=7)
   return _save(fig, path)

@@ -235,7 +235,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       decisions). Part of the compile key by identity: reuse the object across calls. The verify
       forward keeps its [B, γ + 1] shape (`rounds`): fewer tokens verified, not a cheaper forward.
     trace: record per-round confidence, verify lengths, accepted runs and activity
-      (`GenerateResult.trace`).
+      (`GenerateResult.trace`; with `max_batch_size`, per slot and iteration: `queue.Engine.trace`).
     max_batch_size: S: decode any number of prompts through S slots, each taking the next prompt
       as its row finishes (`queue.Engine`); returns a `queue.QueueResult`. None (default): one
       fixed batch of all prompts.
@@ -256,16 +256,15 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       has no confidence head, or a schedule or trace with ``spec=False``.
   """
   if max_batch_size is not None:
-    if trace:
-      raise ValueError("trace: not recorded by the queue-driven decode (max_batch_size); decode a "
-                       "fixed batch to trace rounds")
+    if not isinstance(trace, (bool, np.bool_)):
+      raise ValueError(f"trace: expected a bool, got {trace!r}")
     from dspark_jax.decoding import queue  # the queue builds on this module
     paging = {name: value for name, value in
               (("kv", kv), ("num_pages", num_pages), ("page_size", page_size)) if value is not None}
     engine = queue.Engine(target, draft, max_batch_size, max_seq_len=max_seq_len, spec=spec,
                           schedule=schedule, mode=mode, memory_stats=memory_stats,
                           headroom_bytes=headroom_bytes, store_logits=store_logits,
-                          backend=backend, config=config, **paging)
+                          backend=backend, config=config, trace=bool(trace), **paging)
     return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
                            stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                            progress=progress, on_finish=on_finish)

@@ -182,6 +182,9 @@ class QueueResult:
     kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
     pages_peak, pages_mean: pages in use, the most and the mean over loop iterations (0 for
       contiguous caches). preemptions: rows preempted for pages and recomputed later.
+    trace: with ``Engine(trace=True)``, a `loop.RoundTrace` of NumPy arrays whose batch axis is the
+      S slots (not the prompts) and whose rounds are every iteration run, in order ([rounds, S, γ]);
+      an idle slot is inactive. Else None.
   """
 
   results: list[PromptResult]
@@ -202,6 +205,7 @@ class QueueResult:
   pages_peak: int = 0
   pages_mean: float = 0.0
   preemptions: int = 0
+  trace: Any = None
 
   @property
   def occupancy(self) -> float:
@@ -313,8 +317,16 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *,
   """Up to `rounds_per_call` iterations; stops early once every slot is done or `need` are.
   Slots `idle` ([S] bool: holding no prompt, e.g. one just preempted) are done.
 
+  With a ``trace`` entry in `state` (`Engine.trace`: buffers of ``rounds_per_call`` rounds), the
+  chunk's iteration i is recorded at index i: the round counter runs from 0 inside the chunk and is
+  restored to the global count after it (it keys nothing else without a stateful schedule).
+
   Returns ``(state, iterations run, busy slot-iterations)``."""
   state = dict(state, done=state["done"] | idle)
+  traced = "trace" in state
+  start = state["rounds"]
+  if traced:
+    state = dict(state, rounds=jnp.zeros_like(start))
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   body = loop.iteration(target, draft, path, inputs["max_new"], inputs["rows"], inputs["stop_ids"],
@@ -330,7 +342,10 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *,
     state, i, busy = carry
     return body(state), i + 1, busy + jnp.sum(~state["done"], dtype=jnp.int32)
 
-  return jax.lax.while_loop(more, step, (state, jnp.int32(0), jnp.int32(0)))
+  state, i, busy = jax.lax.while_loop(more, step, (state, jnp.int32(0), jnp.int32(0)))
+  if traced:
+    state = dict(state, rounds=start + i)
+  return state, i, busy
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -376,6 +391,8 @@ class Engine:
       is unknown, e.g. on the CPU).
     page_size: with ``kv="paged"``, positions per page (a multiple of 16).
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
+    trace: record every iteration's `loop.RoundTrace` per slot (`QueueResult.trace`); speculative
+      decoding with no schedule or a stateless one only.
   """
 
   target: tm.TargetModel
@@ -395,6 +412,7 @@ class Engine:
   store_logits: bool = True
   backend: str | None = None
   config: Any = None
+  trace: bool = False
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
@@ -416,6 +434,13 @@ class Engine:
       self.draft.config.check_against(self.target.config)
       host.check_pair(self.target, self.draft)
     loop.check_schedule(self.schedule, self.draft, self.spec)
+    if self.trace:
+      if not self.spec:
+        raise ValueError("trace: only speculative decoding has rounds to trace (got spec=False)")
+      gamma = self.draft.config.gamma
+      if self.schedule is not None and jax.tree.leaves(self.schedule.init(1, gamma)):
+        raise ValueError("trace: the queue traces only stateless schedules (a stateful one keys "
+                         "its draft noise by the round counter the trace reuses)")
 
   def _pool(self, slots_n: int, max_pages: int) -> int:
     """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and
@@ -524,6 +549,8 @@ class Engine:
     state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs)
     if pages is not None:
       state.update(pages.empty_caches(target, draft if spec else None))
+    if self.trace:
+      state["trace"] = _trace_buffers(self.rounds_per_call, slots_n, gamma)
     inputs = jax.tree.map(lambda x: jnp.zeros((slots_n,) + x.shape[1:], x.dtype), all_inputs)
     inputs["stop_ids"] = inputs["stop_ids"] - 1
     inputs["stop_seqs"] = inputs["stop_seqs"] - 1
@@ -581,6 +608,8 @@ class Engine:
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
         run.ran(int(iterations), int(busy), None if pages is None else pages.in_use)
+        if self.trace:
+          run.traced(jax.device_get(state["trace"]), int(iterations))
         for slot in np.flatnonzero((owner >= 0) & light["done"]):
           run.finished(int(owner[slot]), int(slot), light)
           owner[slot] = -1
@@ -714,6 +743,14 @@ class _Pages:
     self.allocator.release(slot)
 
 
+def _trace_buffers(rounds, slots_n, gamma):
+  """Zeroed `loop.RoundTrace` buffers (a dict) of `rounds` iterations over S slots."""
+  return {"confidence": jnp.full((rounds, slots_n, gamma), jnp.nan, jnp.float32),
+          "verify_lens": jnp.zeros((rounds, slots_n), jnp.int32),
+          "accept_len": jnp.zeros((rounds, slots_n), jnp.int32),
+          "active": jnp.zeros((rounds, slots_n), bool)}
+
+
 def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs):
   """The loop state of S idle slots: every per-row entry zeroed and ``done``; the global entries
   fresh (the schedule's `init` on S rows)."""
@@ -753,6 +790,7 @@ class _Run:
     self.first_at = np.zeros(count)
     self.rounds = self.busy = 0
     self.pages_peak = self.page_rounds = 0
+    self.traces: list[dict] = []
     self.bar = tqdm(total=count, desc="decode", disable=not progress)
 
   def now(self) -> float:
@@ -774,6 +812,9 @@ class _Run:
     if pages is not None:
       self.pages_peak = max(self.pages_peak, pages)
       self.page_rounds += pages * iterations
+
+  def traced(self, trace, iterations: int):
+    self.traces.append({k: np.asarray(v)[:iterations] for k, v in trace.items()})
 
   def finished(self, index: int, slot: int, light):
     n = int(light["count"][slot])
@@ -818,4 +859,6 @@ class _Run:
         page_size=None if pages is None else pages.page_size,
         pages_peak=self.pages_peak,
         pages_mean=self.page_rounds / self.rounds if self.rounds else 0.0,
-        preemptions=0 if pages is None else pages.preemptions)
+        preemptions=0 if pages is None else pages.preemptions,
+        trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
+                                 for k in self.traces[0]}) if self.traces else None)

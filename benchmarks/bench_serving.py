@@ -1,0 +1,307 @@
+"""Serving throughput of the queue-driven decode (`dspark_jax.decoding.queue`): occupancy against
+static batches, and tokens/s per GPU against tokens/s per user.
+
+Work: ``--prompts`` prompts whose output lengths are drawn log-uniformly from ``--lengths LO,HI``
+(default 16..1024, ``numpy.random.default_rng(--seed)``), each enforced by its own
+``max_new_tokens``, with no stop token, so every prompt decodes exactly its drawn length. The pair
+is the Qwen3-4B-shaped random pair of `bench_decode.build_models` (random prompts of
+``--prompt-len`` tokens; random weights accept almost nothing, τ ≈ 1), or with ``--shipped`` the
+shipped trained pair (`models.shipped`) on its held-out prompts
+(``dspark_jax/assets/heldout_prompts.json``, cycled), which accepts as trained. Rows sample at
+``--temperature`` (default 0).
+
+* **Occupancy** (``occupancy`` in ``--studies``): the prompts through S = ``--slots`` slots of a
+  `dj.Engine` (``--refill-at``, default 1; ``--rounds-per-call``, default 16; every engine's slots
+  hold the longest possible prompt + ``HI``), against today's static batches: consecutive
+  `dj.generate` calls of S prompts each (a batch runs until its longest row ends), in the same run
+  on the same prompts. Reported: occupancy (busy slot-iterations over all
+  slot-iterations; for the static batches, Σ rounds per row over S × the batch's rounds), tokens/s
+  of each (compilation excluded), and their ratio.
+* **Throughput** (``throughput``): at each concurrency c of ``--concurrency`` (default 1, 4, 16,
+  64, 128, 256), ``--per-slot`` × c prompts (at least ``--min-prompts``) of the same length law
+  through c slots, under each schedule of ``--schedules`` (``fixed``; ``top_k`` and ``prefix`` with
+  the throughput table ``dj.profile_sps(target, draft, batch_size=c)`` measured at that c, at the
+  mean prompt length + LO as context). Reported: tokens/s per GPU (all tokens over the run's
+  seconds), tokens/s per user (the mean over prompts of a prompt's tokens over its seconds in a
+  slot, admission to finish), τ, verify tokens per round, occupancy and the mean time to first
+  token (from the start of the run, queueing included).
+
+Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
+excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
+tokens/s). The Qwen3-4B shape with *synthetic* acceptance (`bench_schedules`' law) is not offered
+here: the queue's rounds draw real accept decisions, and replacing them would take a hook inside
+the round, not the queue.
+
+  python -m benchmarks.bench_serving --small                       # CPU smoke check (< 2 min)
+  python -m benchmarks.bench_serving --studies occupancy --slots 64 --json occupancy.json
+  python -m benchmarks.bench_serving --shipped --studies throughput --json serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import numpy as np
+
+import dspark_jax as dj
+from benchmarks import bench_decode
+from benchmarks import harness
+
+STUDIES = ("occupancy", "throughput")
+SCHEDULES = ("fixed", "top_k", "prefix")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shipped", action="store_true",
+                      help="the shipped trained pair on its held-out prompts (default: the "
+                           "Qwen3-4B-shaped random pair; --small: its tiny version)")
+  parser.add_argument("--studies", default=",".join(STUDIES),
+                      help=f"comma list of {', '.join(STUDIES)} (default both)")
+  parser.add_argument("--prompts", type=int, default=None,
+                      help="prompts of the occupancy run (default 512; --small: 24)")
+  parser.add_argument("--lengths", type=harness.int_list, default=None,
+                      help="LO,HI: output lengths log-uniform in [LO, HI] (default 16,1024; "
+                           "--small: 2,24)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
+  parser.add_argument("--prompt-len", type=int, default=None,
+                      help="random pair: prompt tokens, each prompt drawn in [len/2, len] "
+                           "(default 128; --small: 8)")
+  parser.add_argument("--slots", type=int, default=None,
+                      help="S of the occupancy run (default 64; --small: 4)")
+  parser.add_argument("--concurrency", type=harness.int_list, default=None,
+                      help="throughput study concurrencies (default 1,4,16,64,128,256; --small: "
+                           "4)")
+  parser.add_argument("--per-slot", type=int, default=4,
+                      help="throughput study: prompts per slot at each concurrency (default 4)")
+  parser.add_argument("--min-prompts", type=int, default=None,
+                      help="throughput study: at least this many prompts (default 32; --small: 4)")
+  parser.add_argument("--schedules", default=None,
+                      help=f"comma list of {', '.join(SCHEDULES)} (default all; --small: "
+                           "fixed,top_k)")
+  parser.add_argument("--refill-at", type=int, default=1,
+                      help="the engine returns to the host once this many slots are free "
+                           "(`dj.Engine.refill_at`, default 1)")
+  parser.add_argument("--rounds-per-call", type=int, default=16,
+                      help="iterations per chunk at most (`dj.Engine.rounds_per_call`, default 16)")
+  parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--gamma", type=int, default=7, help="random pair: γ (default 7)")
+  harness.add_common_arguments(parser, repeats=3, warmup=1, backend=False)
+  args = harness.finish_arguments(parser, parser.parse_args(argv))
+  small = args.small
+  args.prompts = args.prompts or (16 if small else 512)
+  args.lengths = args.lengths or ([2, 24] if small else [16, 1024])
+  args.prompt_len = args.prompt_len or (8 if small else 128)
+  args.slots = args.slots or (4 if small else 64)
+  args.concurrency = args.concurrency or ([4] if small else [1, 4, 16, 64, 128, 256])
+  args.min_prompts = args.min_prompts or (4 if small else 32)
+  if small and args.repeats == 3:
+    args.repeats = 1
+  args.studies = [s.strip() for s in args.studies.split(",") if s.strip()]
+  args.schedules = [s.strip() for s in (args.schedules or ("fixed,top_k" if small else
+                                                           ",".join(SCHEDULES))).split(",")
+                    if s.strip()]
+  for flag, values, known in (("--studies", args.studies, STUDIES),
+                              ("--schedules", args.schedules, SCHEDULES)):
+    bad = [v for v in values if v not in known]
+    if bad or not values:
+      parser.error(f"{flag}: unknown {bad[0] if bad else values!r}; known: {', '.join(known)}")
+  if len(args.lengths) != 2 or not 1 <= args.lengths[0] <= args.lengths[1]:
+    parser.error(f"--lengths: expected LO,HI with 1 <= LO <= HI, got {args.lengths}")
+  for flag in ("prompts", "prompt_len", "slots", "per_slot", "min_prompts", "gamma", "refill_at",
+               "rounds_per_call"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
+  if min(args.concurrency) < 1:
+    parser.error(f"--concurrency: each must be >= 1, got {args.concurrency}")
+  if not args.temperature >= 0:
+    parser.error(f"--temperature: must be >= 0, got {args.temperature}")
+  return args
+
+
+# ---- the work ----------------------------------------------------------------------------------
+
+
+def output_lengths(count: int, low: int, high: int, seed: int) -> np.ndarray:
+  """[count] int32 lengths log-uniform in [low, high]: exp(U(log low, log(high + 1))), floored."""
+  rng = np.random.default_rng(seed)
+  drawn = np.exp(rng.uniform(np.log(low), np.log(high + 1), count))
+  return np.clip(np.floor(drawn), low, high).astype(np.int32)
+
+
+class Workload:
+  """The pair and a prompt source: `prompts(count, seed)` returns token-id lists."""
+
+  def __init__(self, args):
+    if args.shipped:
+      from dspark_jax.models import shipped
+      pair = shipped.load_shipped()
+      self.target, self.draft = pair.target, pair.draft
+      self.held_out = [pair.encode(t) for t in pair.prompts]
+      self.name = "shipped pair, held-out prompts"
+    else:
+      self.target, self.draft = bench_decode.build_models(args.small, args.gamma)
+      self.held_out = None
+      self.name = "Qwen3-4B-shaped random pair" if not args.small else "tiny random pair"
+    self.prompt_len = args.prompt_len
+    self.vocab = self.target.config.vocab_size
+    # The longest possible prompt + HI for every engine: engines of equal S share their programs.
+    longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
+    self.max_seq_len = longest + args.lengths[1]
+
+  def prompts(self, count: int, seed: int) -> list[list[int]]:
+    if self.held_out is not None:
+      return [self.held_out[i % len(self.held_out)] for i in range(count)]
+    rng = np.random.default_rng(seed + 1)
+    lens = rng.integers(max(self.prompt_len // 2, 1), self.prompt_len + 1, count)
+    return [rng.integers(0, self.vocab - 1, n).tolist() for n in lens]
+
+
+def _params(count: int, temperature: float, offset: int = 0):
+  return dj.SamplingParams(temperature=np.full(count, float(temperature)),
+                           seed=np.arange(count) + offset)
+
+
+def _median_by_rate(runs: list[dict]) -> dict:
+  """The run whose tokens/s is the median (the lower middle for an even count)."""
+  order = sorted(runs, key=lambda r: r["tokens_per_s"])
+  return order[(len(order) - 1) // 2]
+
+
+# ---- occupancy ---------------------------------------------------------------------------------
+
+
+def queue_run(engine, prompts, budgets, temperature) -> dict:
+  out = engine.generate(prompts, _params(len(prompts), temperature), jax.random.key(0),
+                        max_new_tokens=budgets)
+  per_user = [r.tokens_per_second for r in out.results]
+  return {"tokens": int(out.lengths.sum()), "seconds": out.wall_seconds,
+          "tokens_per_s": out.tokens_per_second, "occupancy": out.occupancy,
+          "per_user_tokens_per_s": float(np.mean(per_user)), "tau": out.tau,
+          "verify_tokens": out.verify_tokens, "rounds": out.rounds,
+          "mean_ttft_s": float(np.mean([r.ttft_seconds for r in out.results]))}
+
+
+def static_run(target, draft, prompts, budgets, temperature, slots: int) -> dict:
+  """Consecutive `generate` calls of `slots` prompts each (the last may hold fewer)."""
+  tokens, seconds, busy, held, rounds = 0, 0.0, 0, 0, 0
+  for start in range(0, len(prompts), slots):
+    rows = range(start, min(start + slots, len(prompts)))
+    out = dj.generate(target, draft, [prompts[i] for i in rows], _params(len(rows), temperature,
+                                                                         start),
+                      jax.random.key(0), max_new_tokens=budgets[start:start + slots])
+    tokens += int(out.lengths.sum())
+    seconds += out.wall_seconds
+    busy += int(out.row_rounds.sum())
+    held += slots * int(out.rounds)
+    rounds += int(out.rounds)
+  return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-12),
+          "occupancy": busy / held if held else 1.0, "rounds": rounds}
+
+
+def occupancy_study(work: Workload, args) -> dict:
+  low, high = args.lengths
+  budgets = output_lengths(args.prompts, low, high, args.seed)
+  prompts = work.prompts(args.prompts, args.seed)
+  engine = dj.Engine(work.target, work.draft, max_batch_size=args.slots,
+                     max_seq_len=work.max_seq_len, refill_at=args.refill_at,
+                     rounds_per_call=args.rounds_per_call)
+  warm = min(len(prompts), 2 * args.slots)
+  for _ in range(args.warmup):
+    queue_run(engine, prompts[:warm], budgets[:warm], args.temperature)
+    static_run(work.target, work.draft, prompts[:warm], budgets[:warm], args.temperature,
+               args.slots)
+  queue, static = [], []
+  for _ in range(args.repeats):   # interleaved, so both see the same machine state
+    queue.append(queue_run(engine, prompts, budgets, args.temperature))
+    static.append(static_run(work.target, work.draft, prompts, budgets, args.temperature,
+                             args.slots))
+  q, s = _median_by_rate(queue), _median_by_rate(static)
+  print(f"occupancy, S={args.slots}: queue {q['occupancy']:.3f} at {q['tokens_per_s']:.0f} "
+        f"tokens/s; static batches {s['occupancy']:.3f} at {s['tokens_per_s']:.0f} tokens/s",
+        flush=True)
+  return {"slots": args.slots, "prompts": args.prompts, "lengths": [low, high],
+          "mean_length": float(budgets.mean()), "queue": q, "static": s,
+          "speedup": q["tokens_per_s"] / max(s["tokens_per_s"], 1e-12),
+          "queue_repeats": queue, "static_repeats": static}
+
+
+# ---- tokens/s per GPU against per user -----------------------------------------------------------
+
+
+def throughput_study(work: Workload, args) -> list[dict]:
+  low, high = args.lengths
+  results = []
+  for c in args.concurrency:
+    count = max(args.per_slot * c, args.min_prompts)
+    budgets = output_lengths(count, low, high, args.seed + c)
+    prompts = work.prompts(count, args.seed + c)
+    sps = None
+    if any(s != "fixed" for s in args.schedules):
+      context = int(np.mean([len(p) for p in prompts])) + low
+      profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
+                               repeats=args.repeats, steps=4)
+      sps = profile.dense()
+      print(f"c={c}: packed verify per bucket {profile.table()} verifies/s", flush=True)
+    for name in args.schedules:
+      schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(sps),
+                  "prefix": lambda: dj.schedules.prefix(sps)}[name]
+      engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=work.max_seq_len,
+                         schedule=schedule() if schedule else None, refill_at=args.refill_at,
+                         rounds_per_call=args.rounds_per_call)
+      warm = min(count, 2 * c)
+      for _ in range(args.warmup):
+        queue_run(engine, prompts[:warm], budgets[:warm], args.temperature)
+      runs = [queue_run(engine, prompts, budgets, args.temperature) for _ in range(args.repeats)]
+      r = dict(_median_by_rate(runs), concurrency=c, schedule=name, prompts=count,
+               repeats=[x["tokens_per_s"] for x in runs])
+      results.append(r)
+      print(f"  c={c} {name}: {r['tokens_per_s']:.0f} tokens/s per GPU, "
+            f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, occupancy "
+            f"{r['occupancy']:.3f}", flush=True)
+  return results
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  low, high = args.lengths
+  meta, _ = harness.start_run(args, pair="shipped" if args.shipped else "random",
+                              studies=args.studies, prompts=args.prompts, lengths=[low, high],
+                              length_law="log-uniform", seed=args.seed, slots=args.slots,
+                              concurrency=args.concurrency, schedules=args.schedules,
+                              temperature=args.temperature, per_slot=args.per_slot,
+                              refill_at=args.refill_at, rounds_per_call=args.rounds_per_call)
+  work = Workload(args)
+  results: dict = {"pair": work.name}
+  header = ["study", "S or c", "schedule", "tokens/s (GPU)", "tokens/s (user)", "τ", "occupancy",
+            "vs static"]
+  rows = []
+  if "occupancy" in args.studies:
+    occ = occupancy_study(work, args)
+    results["occupancy"] = occ
+    for label, r, ratio in (("queue", occ["queue"], f"{occ['speedup']:.2f}x"),
+                            ("static", occ["static"], "1.00x")):
+      rows.append([f"occupancy ({label})", str(occ["slots"]), "fixed", f"{r['tokens_per_s']:.0f}",
+                   harness.cell(r.get("per_user_tokens_per_s")), harness.cell(r.get("tau"), 2),
+                   f"{r['occupancy']:.3f}", ratio])
+  if "throughput" in args.studies:
+    results["throughput"] = throughput_study(work, args)
+    for r in results["throughput"]:
+      rows.append(["throughput", str(r["concurrency"]), r["schedule"], f"{r['tokens_per_s']:.0f}",
+                   f"{r['per_user_tokens_per_s']:.1f}", f"{r['tau']:.2f}",
+                   f"{r['occupancy']:.3f}", "—"])
+  title = (f"bench_serving ({meta['device_kind']}, {work.name}, output lengths log-uniform "
+           f"{low}..{high}, no stop token, T = {args.temperature:g}; median of {args.repeats} "
+           f"after {args.warmup} warm-up)")
+  harness.finish(title, header, rows, meta=meta, results=results, json_path=args.json)
+  return 0
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", bench_decode.MEM_FRACTION)
+  raise SystemExit(main())
