@@ -11,7 +11,7 @@
   rejected at p < 1e-6); the same draws are also bit-identical to one device's;
 * loading straight into shards: no read of a split tensor returns more than its shard's bytes;
 * the clear errors of a mesh that does not divide the model;
-* ``lax.mulhi`` (Philox) exact in sharded programs (`layout.partitionable_mulhi`); a sharded draft
+* ``lax.mulhi`` (Philox) exact in sharded programs (`mulhi.partitionable_mulhi`); a sharded draft
   traced under the user's jit still counts its devices for the kernels' preconditions; paged
   pools split by KV head, with one device's values;
 * schedules under a mesh: greedy tokens and verify lengths of `top_k` equal one device's, and the
@@ -41,6 +41,7 @@ from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from dspark_jax.paging import cache as paging
 from dspark_jax.parallel import layout
+from dspark_jax.parallel import mulhi
 from dspark_jax.scheduling import schedules
 from dspark_jax.testing import law_checks
 from dspark_jax.testing import toy_markov
@@ -207,13 +208,13 @@ def test_sharded_sampling_and_verification_follow_the_exact_law():
 
 
 def test_mulhi_is_exact_in_sharded_programs_and_one_device_keeps_jax_lowering():
-  """`layout.partitionable_mulhi`: programs over 2 devices lower ``lax.mulhi`` by half-width
+  """`mulhi.partitionable_mulhi`: programs over 2 devices lower ``lax.mulhi`` by half-width
   parts, exactly (extremes and random pairs against Python integers); one-device programs keep
   JAX's ``chlo.mulhi``."""
-  assert layout.partitionable_mulhi() == layout._needs_partitionable_mulhi()   # idempotent
+  assert mulhi.partitionable_mulhi() == mulhi._needs_partitionable_mulhi()   # idempotent
   rng = np.random.default_rng(0)
   mesh = dj.make_mesh(2)
-  mulhi = jax.jit(jax.lax.mulhi)
+  jitted = jax.jit(jax.lax.mulhi)
   for dtype in (np.uint32, np.int32, np.uint8, np.int16):
     info = np.iinfo(dtype)
     edges = [info.min, info.max, 0, 1, info.max, info.min, -1 if info.min else 2, info.max]
@@ -223,10 +224,10 @@ def test_mulhi_is_exact_in_sharded_programs_and_one_device_keeps_jax_lowering():
     bits = 8 * np.dtype(dtype).itemsize
     want = np.array([(int(a) * int(b)) >> bits for a, b in zip(x, y)]).astype(dtype)
     xs, ys = (jax.device_put(v, NamedSharding(mesh, P(None, "tp"))) for v in (x[None], y[None]))
-    np.testing.assert_array_equal(mulhi(xs, ys)[0], want, err_msg=dtype.__name__)
-    if layout._MULHI_RULE:
-      assert "chlo.mulhi" in mulhi.lower(x, y).as_text()
-      assert "chlo.mulhi" not in mulhi.lower(xs, ys).as_text()
+    np.testing.assert_array_equal(jitted(xs, ys)[0], want, err_msg=dtype.__name__)
+    if mulhi._MULHI_RULE:
+      assert "chlo.mulhi" in jitted.lower(x, y).as_text()
+      assert "chlo.mulhi" not in jitted.lower(xs, ys).as_text()
 
 
 def test_a_traced_sharded_draft_still_counts_its_devices(pair):

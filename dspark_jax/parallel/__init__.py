@@ -4,6 +4,10 @@
   the divisibility checks; the KV caches' sharding).
 * `placement`: `shard` (sharded copies of a target and draft) and `make_mesh`.
 * `loading`: a checkpoint read straight into shards (`load_pretrained(..., mesh=...)`).
+* `mulhi`: the ``lax.mulhi`` lowering that lets sampled verification compile over several devices
+  (registered on import of this package).
 
 docs/sharding.md gives the layout and why sampling stays exact across shards.
 """
+
+from dspark_jax.parallel import mulhi as _mulhi  # noqa: F401  (registers the lowering)
