@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 FUSED_COLUMNS = ("attention.qkv_proj.kernel", "mlp.gate_up_proj.kernel")
