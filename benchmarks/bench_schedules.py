@@ -39,6 +39,7 @@ from flax import nnx
 
 from benchmarks import bench_decode
 from benchmarks import harness
+from benchmarks import synthetic
 from dspark_jax import decoding
 from dspark_jax.decoding import packing
 from dspark_jax.draft import block as block_lib
@@ -48,7 +49,7 @@ from dspark_jax.scheduling import profile as sps_profile
 from dspark_jax.scheduling import schedules
 
 LOOP = bench_decode.LOOP
-DEFAULT_RATES = (0.82, 0.78, 0.74, 0.70, 0.65, 0.60, 0.55)
+DEFAULT_RATES = synthetic.DEFAULT_RATES
 NAMES = ("none", "fixed", "threshold", "prefix", "top_k")
 
 
@@ -80,11 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error(f"--schedules: unknown {bad[0] if bad else args.schedules!r}; known: "
                  f"{', '.join(NAMES)}")
   return args
-
-
-def expected_tau(rates, verified: int) -> float:
-  """τ of a round that verifies `verified` drafts under the law: 1 + Σ_{j ≤ verified} Π_{i ≤ j} c_i."""
-  return 1.0 + float(np.sum(np.cumprod(rates)[:verified]))
 
 
 def make_schedule(name: str, sps, threshold: float):
@@ -195,7 +191,7 @@ def main(argv=None) -> int:
             "update % of round"]
   title = (f"bench_schedules ({meta['device_kind']}, context {args.context}, γ = {args.gamma}, "
            f"synthetic acceptance c = {list(args.rates)}, full-verify τ = "
-           f"{expected_tau(args.rates, args.gamma):.2f}; model = B·τ·SPS(N), draft cost left out)")
+           f"{synthetic.expected_tau(args.rates, args.gamma):.2f}; model = B·τ·SPS(N), draft cost left out)")
   harness.finish(title, header, rows, meta=meta, results=results, json_path=args.json)
   return 0
 

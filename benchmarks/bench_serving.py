@@ -28,13 +28,18 @@ shipped trained pair (`models.shipped`) on its held-out prompts
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
-tokens/s). The Qwen3-4B shape with *synthetic* acceptance (`bench_schedules`' law) is not offered
-here: the queue's rounds draw real accept decisions, and replacing them would take a hook inside
-the round, not the queue.
+tokens/s).
+
+* **Synthetic acceptance** (``--synthetic [c_1,...,c_γ]``, default `synthetic.DEFAULT_RATES`, τ ≈ 3.66
+  at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
+  from that law (`benchmarks.synthetic`; every forward still runs, so the costs are the Qwen3-4B
+  shape's), and the schedules deciding on confidences c_k: the paper's serving regime on random
+  weights. Greedy rows only (``--temperature 0``).
 
   python -m benchmarks.bench_serving --small                       # CPU smoke check (< 2 min)
   python -m benchmarks.bench_serving --studies occupancy --slots 64 --json occupancy.json
   python -m benchmarks.bench_serving --shipped --studies throughput --json serving.json
+  python -m benchmarks.bench_serving --synthetic --studies throughput --json synthetic.json
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import numpy as np
 import dspark_jax as dj
 from benchmarks import bench_decode
 from benchmarks import harness
+from benchmarks import synthetic
 
 STUDIES = ("occupancy", "throughput")
 SCHEDULES = ("fixed", "top_k", "prefix")
@@ -58,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--shipped", action="store_true",
                       help="the shipped trained pair on its held-out prompts (default: the "
                            "Qwen3-4B-shaped random pair; --small: its tiny version)")
+  parser.add_argument("--synthetic", nargs="?", default=None,
+                      const=",".join(map(str, synthetic.DEFAULT_RATES)),
+                      help="the random pair with synthetic acceptance: comma list of c_1..c_γ "
+                           "(default, without a value: the paper-like law, τ ≈ 3.66)")
   parser.add_argument("--studies", default=",".join(STUDIES),
                       help=f"comma list of {', '.join(STUDIES)} (default both)")
   parser.add_argument("--prompts", type=int, default=None,
@@ -87,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--rounds-per-call", type=int, default=16,
                       help="iterations per chunk at most (`dj.Engine.rounds_per_call`, default 16)")
   parser.add_argument("--temperature", type=float, default=0.0)
-  parser.add_argument("--gamma", type=int, default=7, help="random pair: γ (default 7)")
+  parser.add_argument("--gamma", type=int, default=None,
+                      help="random pair: γ (default 7; with --synthetic, the number of rates)")
   harness.add_common_arguments(parser, repeats=3, warmup=1, backend=False)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
   small = args.small
@@ -110,6 +121,21 @@ def parse_args(argv=None) -> argparse.Namespace:
       parser.error(f"{flag}: unknown {bad[0] if bad else values!r}; known: {', '.join(known)}")
   if len(args.lengths) != 2 or not 1 <= args.lengths[0] <= args.lengths[1]:
     parser.error(f"--lengths: expected LO,HI with 1 <= LO <= HI, got {args.lengths}")
+  if args.synthetic is not None:
+    try:
+      args.synthetic = synthetic.check_rates(float(r) for r in args.synthetic.split(","))
+    except ValueError as error:
+      parser.error(f"--synthetic: {error}")
+    if args.shipped:
+      parser.error("--synthetic: the synthetic law replaces a random pair's acceptance; drop "
+                   "--shipped")
+    if args.temperature != 0:
+      parser.error(f"--synthetic: only greedy rows follow the law; pass --temperature 0, got "
+                   f"{args.temperature}")
+    if args.gamma not in (None, len(args.synthetic)):
+      parser.error(f"--gamma: {args.gamma}, but --synthetic gives {len(args.synthetic)} rates")
+    args.gamma = len(args.synthetic)
+  args.gamma = 7 if args.gamma is None else args.gamma
   for flag in ("prompts", "prompt_len", "slots", "per_slot", "min_prompts", "gamma", "refill_at",
                "rounds_per_call"):
     if getattr(args, flag) < 1:
@@ -145,11 +171,20 @@ class Workload:
       self.target, self.draft = bench_decode.build_models(args.small, args.gamma)
       self.held_out = None
       self.name = "Qwen3-4B-shaped random pair" if not args.small else "tiny random pair"
+    self.rates = args.synthetic
+    if self.rates is not None:
+      self.target = synthetic.synthetic_target(self.target, self.rates)
+      self.name += (f", synthetic acceptance c = {','.join(map(str, self.rates))} "
+                    f"(τ {synthetic.expected_tau(self.rates):.2f} at a full verify)")
     self.prompt_len = args.prompt_len
     self.vocab = self.target.config.vocab_size
     # The longest possible prompt + HI for every engine: engines of equal S share their programs.
     longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
     self.max_seq_len = longest + args.lengths[1]
+
+  def schedule(self, schedule):
+    """`schedule`, deciding on the law's confidences with synthetic acceptance."""
+    return schedule if self.rates is None else synthetic.law_confidence(schedule, self.rates)
 
   def prompts(self, count: int, seed: int) -> list[list[int]]:
     if self.held_out is not None:
@@ -249,7 +284,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
       schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(sps),
                   "prefix": lambda: dj.schedules.prefix(sps)}[name]
       engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=work.max_seq_len,
-                         schedule=schedule() if schedule else None, refill_at=args.refill_at,
+                         schedule=work.schedule(schedule() if schedule else None),
+                         refill_at=args.refill_at,
                          rounds_per_call=args.rounds_per_call)
       warm = min(count, 2 * c)
       for _ in range(args.warmup):
@@ -271,6 +307,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   low, high = args.lengths
   meta, _ = harness.start_run(args, pair="shipped" if args.shipped else "random",
+                              synthetic=args.synthetic,
                               studies=args.studies, prompts=args.prompts, lengths=[low, high],
                               length_law="log-uniform", seed=args.seed, slots=args.slots,
                               concurrency=args.concurrency, schedules=args.schedules,
