@@ -129,6 +129,13 @@ def test_eval_reports_tau_acceptance_and_throughput(pair_dirs, tmp_path, capsys)
   again = json.loads(capsys.readouterr().out)
   assert len(open(results).readlines()) == 2 and again["rows"][0]["tokens"] == 0
   assert again["rows"][0]["tau"] == row["tau"]
+  # --kv paged: the same prompts through paged caches of a pool of 4 pages decode the same tokens.
+  paged = tmp_path / "paged.jsonl"
+  assert cli.main([*args[:-2], str(paged), "--json", "--kv", "paged", "--num-pages", "4"]) == 0
+  capsys.readouterr()
+  assert json.load(open(tmp_path / "paged.json"))["kv"] == "paged"
+  by_prompt = lambda lines: {r["prompt"]: r["tokens"] for r in lines}
+  assert by_prompt(json.loads(line) for line in open(paged)) == by_prompt(records)
 
 
 def test_pooling_adds_the_counts_of_batches():
@@ -205,6 +212,9 @@ def test_bad_flags_and_files_are_named(config_dirs, tmp_path, capsys):
       ["eval", "--target", target, "--dataset", DATASET], capsys)
   assert "argument --dataset: required with --target" in _error(
       ["eval", "--target", target, "--draft", draft], capsys)
+  assert "argument --num-pages: needs --kv paged" in _error(["eval", "--num-pages", "8"], capsys)
+  assert "argument --kv: the schedule comparison decodes through contiguous" in _error(
+      ["eval", "--schedule", "fixed", "--kv", "paged"], capsys)
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"turns": ["fine"]}\n\n{"turns": []}\n')
   assert f"argument --dataset: {bad}:3: expected an object whose 'turns'" in _error(

@@ -17,7 +17,8 @@
   paper's Table 1 protocol; ``--batch-size`` is its deprecated alias). ``--dataset`` alone evaluates
   the shipped pair on it. Each writes a table, a PNG plot and a JSON file
   (`dspark_jax.apps.evaluation`); with ``--out FILE.jsonl`` each prompt's result is appended there
-  as it finishes and a rerun resumes from it (the plot and JSON beside it).
+  as it finishes and a rerun resumes from it (the plot and JSON beside it). ``--kv paged``
+  (``--num-pages N``) keeps the slots' caches in pages of one pool (`decoding.Engine`).
   With ``--schedule fixed,threshold:0.5,prefix,top_k[:lag]`` (either pair), the schedule study
   instead (`dspark_jax.apps.schedule_study`): per schedule and temperature, τ with its interval,
   verify tokens per round, acceptance rate (accepted / verified drafts), per-position acceptance
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="deprecated alias of --concurrency")
   evaluate.add_argument("--max-new-tokens", type=flags.positive, default=None,
                         help="default: 128 for the shipped study, 2048 for a dataset")
+  evaluate.add_argument("--kv", choices=("contiguous", "paged"), default="contiguous",
+                        help="the slots' caches: each slot holds its whole capacity (default), or "
+                             "pages of one pool handed out as rows grow (docs/serving.md)")
+  evaluate.add_argument("--num-pages", type=flags.positive, default=None,
+                        help="with --kv paged: the pool's pages (default: what fits in free "
+                             "device memory)")
   evaluate.add_argument("--temperatures", "--temperature", dest="temperatures",
                         type=flags.temperatures, default=None,
                         help="comma-separated, e.g. 0,1 (default: 0,1 for the shipped study, 1 for "
@@ -264,12 +271,17 @@ def evaluate(args) -> int:
 
   flags.concurrency_alias(args, "eval")
   if args.schedule is not None:
+    if args.kv != "contiguous":
+      flags.fail("eval", "--kv", "the schedule comparison decodes through contiguous caches; "
+                                 "drop --kv or --schedule")
     from dspark_jax.apps import schedule_commands
     return schedule_commands.evaluate_schedules(args)
   for flag, name in (("sps", "sps"), ("calibration", "calibration"),
                      ("throughput_batches", "throughput-concurrency")):
     if getattr(args, flag) is not None:
       flags.fail("eval", "--" + name, "needs --schedule")
+  if args.num_pages is not None and args.kv != "paged":
+    flags.fail("eval", "--num-pages", "needs --kv paged")
   results_file = args.out if args.out.endswith(".jsonl") else None
   if results_file is not None and args.dataset is None:
     flags.fail("eval", "--out", "a .jsonl results file needs --dataset")
@@ -295,8 +307,9 @@ def evaluate(args) -> int:
     rows = evaluation.acceptance_study(pair, num_prompts=args.prompts,
                                        max_new_tokens=max_new_tokens,
                                        temperatures=temperatures, concurrency=concurrency,
-                                       seed=args.seed, progress=not args.json)
-    about = {"first_prompt": args.first_prompt, "concurrency": concurrency}
+                                       seed=args.seed, progress=not args.json, kv=args.kv,
+                                       num_pages=args.num_pages)
+    about = {"first_prompt": args.first_prompt, "concurrency": concurrency, "kv": args.kv}
     if not args.json:
       print(f"shipped pair: {count} held-out prompts, concurrency {concurrency}, "
             f"max {max_new_tokens} new tokens")
@@ -321,12 +334,12 @@ def evaluate(args) -> int:
           max_new_tokens=max_new_tokens, concurrency=concurrency, chat=args.chat,
           chat_kwargs=args.chat_kwargs, seed=args.seed, baseline=args.baseline,
           name=os.path.basename(os.path.normpath(args.draft)) if args.draft else "dspark",
-          progress=not args.json, results=results_file)
+          progress=not args.json, results=results_file, kv=args.kv, num_pages=args.num_pages)
     except (ValueError, RuntimeError) as error:  # RuntimeError: out of device memory
       raise SystemExit(f"dspark-jax eval: error: {error}") from None
     count = len(prompts)
     about = {"target": args.target, "draft": args.draft, "dataset": args.dataset,
-             "first_prompt": first, "concurrency": concurrency, "chat": args.chat,
+             "first_prompt": first, "concurrency": concurrency, "kv": args.kv, "chat": args.chat,
              "seed": args.seed, "results": results_file}
     if not args.json:
       print(f"{name} on {args.dataset}: {count} prompts, concurrency {concurrency}, "

@@ -114,12 +114,13 @@ def tau_interval(row_accepted: np.ndarray, row_rounds: np.ndarray,
 def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = None,
                      max_new_tokens: int = 128, temperatures: Sequence[float] = (0.0, 1.0),
                      concurrency: int | None = None, seed: int = 0,
-                     progress: bool = True) -> list[StudyRow]:
+                     progress: bool = True, kv: str = "contiguous",
+                     num_pages: int | None = None) -> list[StudyRow]:
   """Runs the study on the first `num_prompts` held-out prompts (all by default).
 
   Each temperature decodes the prompts plainly (the baseline tokens/s) and with both drafters,
-  through `concurrency` slots (`decoding.queue`; default: one per prompt); prompt i has seed
-  ``seed + i``.
+  through `concurrency` slots (`decoding.queue`; default: one per prompt) whose caches are `kv`
+  ("contiguous" or "paged", with `num_pages`: `decoding.Engine`); prompt i has seed ``seed + i``.
   """
   from tqdm.auto import tqdm
 
@@ -133,7 +134,7 @@ def acceptance_study(pair: shipped.ShippedPair, *, num_prompts: int | None = Non
              disable=not progress)
   for temperature in temperatures:
     decode = functools.partial(_decode_queue, pair.target, prompts, concurrency, temperature, seed,
-                               max_new_tokens, stop_ids, bar)
+                               max_new_tokens, stop_ids, bar, kv=kv, num_pages=num_pages)
     plain = decode(None)
     for name, draft in drafters.items():
       rows.append(_study_row(name, temperature, decode(draft), plain.tokens_per_second))
@@ -148,7 +149,8 @@ def _check_concurrency(concurrency) -> int:
 
 
 def _decode_queue(target, prompts, concurrency, temperature, seed, max_new_tokens, stop_ids, bar,
-                  draft, *, results: "ResultFile | None" = None, name: str = "") -> "Pooled":
+                  draft, *, results: "ResultFile | None" = None, name: str = "",
+                  kv: str = "contiguous", num_pages: int | None = None) -> "Pooled":
   """Decodes `prompts` through `concurrency` slots (`decoding.queue`; speculatively with `draft`,
   plainly if None), pooled. Prompt i has seed ``seed + i``, every prompt the key
   ``jax.random.key(seed)``: its tokens do not depend on the concurrency. With `results`, prompts
@@ -170,7 +172,8 @@ def _decode_queue(target, prompts, concurrency, temperature, seed, max_new_token
     parts.append(pool([decoding.generate(
         target, draft, [prompts[i] for i in todo], params, jax.random.key(seed),
         max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, spec=draft is not None,
-        max_batch_size=min(concurrency, len(todo)), on_finish=finished)]))
+        max_batch_size=min(concurrency, len(todo)), on_finish=finished, kv=kv,
+        num_pages=num_pages)]))
   if done:
     records = list(done.values())
     parts.append(Pooled(reached=np.sum([r["reached"] for r in records], axis=0),
@@ -310,7 +313,8 @@ def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
                   concurrency: int = 1, chat: bool = False,
                   chat_kwargs: Mapping[str, Any] | None = None, seed: int = 0,
                   baseline: bool = False, name: str = "draft",
-                  progress: bool = True, results: str | None = None) -> list[StudyRow]:
+                  progress: bool = True, results: str | None = None, kv: str = "contiguous",
+                  num_pages: int | None = None) -> list[StudyRow]:
   """τ, per-position acceptance and tokens/s of `draft` on `prompts`, one `StudyRow` per temperature.
 
   The prompts are decoded through `concurrency` slots, each taking the next prompt as its row
@@ -321,7 +325,8 @@ def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
   ``enable_thinking=False``). `baseline` also decodes autoregressively for the plain tokens/s (NaN
   otherwise). `results`: a JSON-lines file each finished prompt is appended to (`ResultFile`); a
   rerun skips the prompts it holds and pools their counts from it (tokens/s then covers the prompts
-  decoded in this run only).
+  decoded in this run only). `kv`, `num_pages`: the slots' caches, contiguous (default) or paged
+  (`decoding.Engine`).
   """
   from tqdm.auto import tqdm
 
@@ -336,7 +341,7 @@ def evaluate_pair(target, draft, tokenizer, prompts: Sequence[str], *,
              disable=not progress)
   for temperature in temperatures:
     decode = functools.partial(_decode_queue, target, ids, concurrency, temperature, seed,
-                               max_new_tokens, stop_ids, bar)
+                               max_new_tokens, stop_ids, bar, kv=kv, num_pages=num_pages)
     pooled = decode(draft, results=file, name=name)
     plain = decode(None).tokens_per_second if baseline else math.nan
     rows.append(_study_row(name, temperature, pooled, plain))
