@@ -34,7 +34,8 @@ Attention's own FLOPs over the context are not counted, so the compute floor is 
 Random weights accept almost nothing, so speculative tokens/s are given at assumed τ (τ·B / round
 time) against autoregressive (B / step time). With ``--e2e-batch N``: `dspark_jax.generate` end to
 end at the first context (speculative and autoregressive, ``--new-tokens`` tokens, second call,
-prefill subtracted). With ``--hf``: Hugging Face transformers' decode step on the same shapes
+prefill subtracted), each against the step it repeats (full round, AR step) timed at the decode's
+mean context in a cache of exactly that context. With ``--hf``: Hugging Face transformers' decode step on the same shapes
 (`benchmarks.bench_hf`, run first in a child process so that the two never hold the GPU's memory at
 once), its static-cache time beside our autoregressive step in the final table.
 
@@ -478,6 +479,26 @@ def bench_e2e(pairs: dict, *, batch: int, context: int, new_tokens: int, repeats
   return out
 
 
+def against_mean_context(target, draft, e2e: dict, args) -> None:
+  """Adds to each mode of `e2e` (`bench_e2e`'s result for one pair) the part it repeats (the AR
+  step, the full round) timed at the decode's mean context, in a cache of exactly that context:
+  "mean_context", "step_at_mean_context_s" and "vs_step_at_mean_context" (the e2e's per-iteration
+  time over it; 1.0 when the decode's cost follows its context)."""
+  batch, first = args.e2e_batch, args.contexts[0]
+  prompt = float(np.mean([max(1, first - 1 - i) for i in range(batch)]))
+  context = int(round(prompt + args.new_tokens / 2))
+  parts = {"speculative": "full round", "autoregressive": "autoregressive step"}
+  sub = argparse.Namespace(**{**vars(args), "parts": list(parts.values())})
+  times, _, _ = bench_round(target, draft, batch, context, sub)
+  for mode, part in parts.items():
+    if part in times and mode in e2e:
+      e2e[mode].update(mean_context=context, step_at_mean_context_s=times[part],
+                       vs_step_at_mean_context=e2e[mode]["per_iteration_s"] / times[part])
+      print(f"  e2e {mode}: {e2e[mode]['per_iteration_s'] * 1e3:.3f} ms per iteration against "
+            f"{times[part] * 1e3:.3f} ms for the {part} at the mean context {context} "
+            f"({e2e[mode]['vs_step_at_mean_context']:.2f}x)", flush=True)
+
+
 def run_hf(args) -> dict | None:
   """`benchmarks.bench_hf` on this run's contexts and batches, in a child process, its output
   passed through; returns its saved results, or None if it failed. Call it before this process
@@ -566,6 +587,7 @@ def main(argv=None) -> int:
     e2e = bench_e2e({"": (target, draft)}, batch=args.e2e_batch, context=args.contexts[0],
                     new_tokens=args.new_tokens, repeats=args.repeats, backend=args.backend,
                     config=args.backend_config)[""]
+    against_mean_context(target, draft, e2e, args)
 
   has = lambda t, *names: all(n in t for n in names)
   print(f"\nTokens/s: autoregressive (B / step) vs speculative at τ (τ·B / round)")
@@ -606,7 +628,10 @@ def main(argv=None) -> int:
   if e2e:
     title = (f"generate() end to end, B = {args.e2e_batch}, context {args.contexts[0]}, "
              f"{args.new_tokens} new tokens: "
-             + "; ".join(f"{k} {v['per_iteration_s'] * 1e3:.3f} ms/iteration" for k, v in e2e.items())
+             + "; ".join(f"{k} {v['per_iteration_s'] * 1e3:.3f} ms/iteration"
+                         + (f" ({v['vs_step_at_mean_context']:.2f}x the step at the mean context "
+                            f"{v['mean_context']})" if "mean_context" in v else "")
+                         for k, v in e2e.items())
              + "\n" + title)
   harness.finish(title, header, rows, meta=meta,
                  results={"rounds": {f"{c}/{s}/{b}": r for (c, s, b), r in results.items()},
