@@ -17,6 +17,14 @@ shipped trained pair (`models.shipped`) on its held-out prompts
   on the same prompts. Reported: occupancy (busy slot-iterations over all
   slot-iterations; for the static batches, Σ rounds per row over S × the batch's rounds), tokens/s
   of each (compilation excluded), and their ratio.
+* **Memory** (``memory``): concurrent rows in one KV budget. ``--memory-prompts`` prompts (default
+  32 per contiguous slot) with output lengths log-uniform in ``--memory-lengths`` (default 32..8192,
+  mean ~1.47k; the issue's rows of up to 8k averaging 1.5k) through ``--memory-rows`` contiguous
+  slots (each sized for the longest prompt + HI), then through a paged engine whose pool holds the
+  same positions (``--page-size``, default 64) behind ``--memory-factor`` (8) times as many slots,
+  rows admitted by free pages. Reported: the mean concurrent rows while prompts wait
+  (`QueueResult.saturated_rows`: the drain at the end is left out) of each and their ratio,
+  tokens/s, peak pages and preemptions.
 * **Throughput** (``throughput``): at each concurrency c of ``--concurrency`` (default 1, 4, 16,
   64, 128, 256), ``--per-slot`` × c prompts (at least ``--min-prompts``) of the same length law
   through c slots, under each schedule of ``--schedules`` (``fixed``; ``top_k`` and ``prefix`` with
@@ -54,8 +62,9 @@ import dspark_jax as dj
 from benchmarks import bench_decode
 from benchmarks import harness
 from benchmarks import synthetic
+from dspark_jax.models import target as tm
 
-STUDIES = ("occupancy", "throughput")
+STUDIES = ("occupancy", "memory", "throughput")
 SCHEDULES = ("fixed", "top_k", "prefix")
 
 
@@ -69,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="the random pair with synthetic acceptance: comma list of c_1..c_γ "
                            "(default, without a value: the paper-like law, τ ≈ 3.66)")
   parser.add_argument("--studies", default=",".join(STUDIES),
-                      help=f"comma list of {', '.join(STUDIES)} (default both)")
+                      help=f"comma list of {', '.join(STUDIES)} (default all)")
   parser.add_argument("--prompts", type=int, default=None,
                       help="prompts of the occupancy run (default 512; --small: 24)")
   parser.add_argument("--lengths", type=harness.int_list, default=None,
@@ -81,6 +90,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "(default 128; --small: 8)")
   parser.add_argument("--slots", type=int, default=None,
                       help="S of the occupancy run (default 64; --small: 4)")
+  parser.add_argument("--memory-rows", type=int, default=None,
+                      help="memory study: the contiguous slots whose KV memory the paged pool gets "
+                           "(default 16; --small: 2)")
+  parser.add_argument("--memory-lengths", type=harness.int_list, default=None,
+                      help="memory study: LO,HI of its log-uniform output lengths (default "
+                           "32,8192: mean ~1.47k; --small: 4,256)")
+  parser.add_argument("--memory-prompts", type=int, default=None,
+                      help="memory study: prompts (default 32 per contiguous slot)")
+  parser.add_argument("--memory-factor", type=int, default=8,
+                      help="memory study: the paged engine's slots, as a multiple of "
+                           "--memory-rows (default 8)")
+  parser.add_argument("--page-size", type=int, default=None,
+                      help="memory study: positions per page (default 64; --small: 16)")
   parser.add_argument("--concurrency", type=harness.int_list, default=None,
                       help="throughput study concurrencies (default 1,4,16,64,128,256; --small: "
                            "4)")
@@ -108,6 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.slots = args.slots or (4 if small else 64)
   args.concurrency = args.concurrency or ([4] if small else [1, 4, 16, 64, 128, 256])
   args.min_prompts = args.min_prompts or (4 if small else 32)
+  args.memory_rows = args.memory_rows or (2 if small else 16)
+  args.memory_lengths = args.memory_lengths or ([4, 256] if small else [32, 8192])
+  args.memory_prompts = args.memory_prompts or 32 * args.memory_rows
+  args.page_size = args.page_size or (16 if small else 64)
   if small and args.repeats == 3:
     args.repeats = 1
   args.studies = [s.strip() for s in args.studies.split(",") if s.strip()]
@@ -119,8 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [v for v in values if v not in known]
     if bad or not values:
       parser.error(f"{flag}: unknown {bad[0] if bad else values!r}; known: {', '.join(known)}")
-  if len(args.lengths) != 2 or not 1 <= args.lengths[0] <= args.lengths[1]:
-    parser.error(f"--lengths: expected LO,HI with 1 <= LO <= HI, got {args.lengths}")
+  for flag, pair in (("--lengths", args.lengths), ("--memory-lengths", args.memory_lengths)):
+    if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
+      parser.error(f"{flag}: expected LO,HI with 1 <= LO <= HI, got {pair}")
   if args.synthetic is not None:
     try:
       args.synthetic = synthetic.check_rates(float(r) for r in args.synthetic.split(","))
@@ -137,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.gamma = len(args.synthetic)
   args.gamma = 7 if args.gamma is None else args.gamma
   for flag in ("prompts", "prompt_len", "slots", "per_slot", "min_prompts", "gamma", "refill_at",
-               "rounds_per_call"):
+               "rounds_per_call", "memory_rows", "memory_prompts", "memory_factor", "page_size"):
     if getattr(args, flag) < 1:
       parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
   if min(args.concurrency) < 1:
@@ -179,8 +206,8 @@ class Workload:
     self.prompt_len = args.prompt_len
     self.vocab = self.target.config.vocab_size
     # The longest possible prompt + HI for every engine: engines of equal S share their programs.
-    longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
-    self.max_seq_len = longest + args.lengths[1]
+    self.longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
+    self.max_seq_len = self.longest + args.lengths[1]
 
   def schedule(self, schedule):
     """`schedule`, deciding on the law's confidences with synthetic acceptance."""
@@ -209,8 +236,12 @@ def _median_by_rate(runs: list[dict]) -> dict:
 
 
 def queue_run(engine, prompts, budgets, temperature) -> dict:
-  out = engine.generate(prompts, _params(len(prompts), temperature), jax.random.key(0),
-                        max_new_tokens=budgets)
+  return queue_stats(engine.generate(prompts, _params(len(prompts), temperature),
+                                     jax.random.key(0), max_new_tokens=budgets))
+
+
+def queue_stats(out) -> dict:
+  """The figures of a `QueueResult` the studies report."""
   per_user = [r.tokens_per_second for r in out.results]
   return {"tokens": int(out.lengths.sum()), "seconds": out.wall_seconds,
           "tokens_per_s": out.tokens_per_second, "occupancy": out.occupancy,
@@ -261,6 +292,56 @@ def occupancy_study(work: Workload, args) -> dict:
           "mean_length": float(budgets.mean()), "queue": q, "static": s,
           "speedup": q["tokens_per_s"] / max(s["tokens_per_s"], 1e-12),
           "queue_repeats": queue, "static_repeats": static}
+
+
+# ---- concurrent rows in the same memory -------------------------------------------------------
+
+
+def memory_study(work: Workload, args) -> dict:
+  """Mean concurrent rows in one KV budget: `--memory-rows` contiguous slots (each holding the
+  longest prompt + HI) against a paged pool of the same positions behind `--memory-factor` times
+  as many slots, on the same prompts and lengths."""
+  low, high = args.memory_lengths
+  budgets = output_lengths(args.memory_prompts, low, high, args.seed)
+  prompts = work.prompts(args.memory_prompts, args.seed)
+  max_seq_len = work.longest + high
+  gamma = work.draft.config.gamma
+  capacity = tm.cache_slots(max_seq_len + 2 * (gamma + 1))   # what a contiguous slot allocates
+  pages = args.memory_rows * capacity // args.page_size
+  engines = {
+      "contiguous": dj.Engine(work.target, work.draft, max_batch_size=args.memory_rows,
+                              max_seq_len=max_seq_len, refill_at=args.refill_at,
+                              rounds_per_call=args.rounds_per_call),
+      "paged": dj.Engine(work.target, work.draft,
+                         max_batch_size=args.memory_factor * args.memory_rows,
+                         max_seq_len=max_seq_len, refill_at=args.refill_at,
+                         rounds_per_call=args.rounds_per_call, kv="paged", num_pages=pages,
+                         page_size=args.page_size)}
+  out = {"memory_rows": args.memory_rows, "capacity": capacity, "pages": pages,
+         "page_size": args.page_size, "prompts": args.memory_prompts, "lengths": [low, high],
+         "mean_length": float(budgets.mean())}
+  runs = {name: [] for name in engines}
+  warm = min(len(prompts), 2 * args.memory_rows)
+  for _ in range(args.warmup):
+    for engine in engines.values():
+      engine.generate(prompts[:warm], _params(warm, args.temperature), jax.random.key(0),
+                      max_new_tokens=budgets[:warm])
+  for _ in range(args.repeats):
+    for name, engine in engines.items():
+      result = engine.generate(prompts, _params(len(prompts), args.temperature),
+                               jax.random.key(0), max_new_tokens=budgets)
+      r = queue_stats(result)
+      r.update(rows=result.saturated_rows, pages_peak=result.pages_peak,
+               pages_mean=result.pages_mean, preemptions=result.preemptions)
+      runs[name].append(r)
+  for name in engines:
+    out[name] = _median_by_rate(runs[name])
+  out["rows_ratio"] = out["paged"]["rows"] / max(out["contiguous"]["rows"], 1e-12)
+  print(f"memory: {pages} pages of {args.page_size} = {args.memory_rows} contiguous slots of "
+        f"{capacity}; mean concurrent rows {out['contiguous']['rows']:.1f} contiguous, "
+        f"{out['paged']['rows']:.1f} paged ({out['rows_ratio']:.2f}x), "
+        f"{out['paged']['preemptions']} preemptions", flush=True)
+  return out
 
 
 # ---- tokens/s per GPU against per user -----------------------------------------------------------
@@ -316,7 +397,7 @@ def main(argv=None) -> int:
   work = Workload(args)
   results: dict = {"pair": work.name}
   header = ["study", "S or c", "schedule", "tokens/s (GPU)", "tokens/s (user)", "τ", "occupancy",
-            "vs static"]
+            "vs baseline"]
   rows = []
   if "occupancy" in args.studies:
     occ = occupancy_study(work, args)
@@ -326,6 +407,14 @@ def main(argv=None) -> int:
       rows.append([f"occupancy ({label})", str(occ["slots"]), "fixed", f"{r['tokens_per_s']:.0f}",
                    harness.cell(r.get("per_user_tokens_per_s")), harness.cell(r.get("tau"), 2),
                    f"{r['occupancy']:.3f}", ratio])
+  if "memory" in args.studies:
+    mem = results["memory"] = memory_study(work, args)
+    for name, slots, ratio in (("paged", args.memory_factor * args.memory_rows, mem["rows_ratio"]),
+                               ("contiguous", args.memory_rows, 1.0)):
+      r = mem[name]
+      rows.append([f"memory ({name})", str(slots), "fixed", f"{r['tokens_per_s']:.0f}",
+                   f"{r['per_user_tokens_per_s']:.1f}", f"{r['tau']:.2f}",
+                   f"{r['occupancy']:.3f}", f"{r['rows']:.1f}_rows_({ratio:.2f}x)"])
   if "throughput" in args.studies:
     results["throughput"] = throughput_study(work, args)
     for r in results["throughput"]:

@@ -182,6 +182,8 @@ class QueueResult:
     kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
     pages_peak, pages_mean: pages in use, the most and the mean over loop iterations (0 for
       contiguous caches). preemptions: rows preempted for pages and recomputed later.
+    queued_rounds, queued_busy_slot_rounds: the iterations of chunks that started with prompts
+      still waiting in the queue, and their busy slot-iterations (`saturated_rows`).
     trace: with ``Engine(trace=True)``, a `loop.RoundTrace` of NumPy arrays whose batch axis is the
       S slots (not the prompts) and whose rounds are every iteration run, in order ([rounds, S, γ]);
       an idle slot is inactive. Else None.
@@ -205,12 +207,22 @@ class QueueResult:
   pages_peak: int = 0
   pages_mean: float = 0.0
   preemptions: int = 0
+  queued_rounds: int = 0
+  queued_busy_slot_rounds: int = 0
   trace: Any = None
 
   @property
   def occupancy(self) -> float:
     """Busy slot-iterations over all slot-iterations (1 when nothing ran)."""
     return self.busy_slot_rounds / self.slot_rounds if self.slot_rounds else 1.0
+
+  @property
+  def saturated_rows(self) -> float:
+    """The mean busy slots over the iterations run while prompts waited (NaN if none did): how
+    many rows run at once when the queue is not the limit (with paged caches, what the free pages
+    admit). The drain at the end, with fewer prompts left than slots, is not counted."""
+    return (self.queued_busy_slot_rounds / self.queued_rounds if self.queued_rounds
+            else float("nan"))
 
   @property
   def tokens_per_second(self) -> float:
@@ -602,12 +614,13 @@ class Engine:
         # slots free now (the pool may have admitted no one into them) + those to wait for
         need = (int((owner < 0).sum()) + min(self.refill_at, len(queue)) if queue
                 else slots_n + 1)
+        queued = bool(queue)
         args = (*models, state, inputs, key, np.int32(need), owner < 0)
         program, seconds = host.compiled(_chunk_program, args, chunk_statics, donate=(2,))
         run.compile(seconds)
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
-        run.ran(int(iterations), int(busy), None if pages is None else pages.in_use)
+        run.ran(int(iterations), int(busy), None if pages is None else pages.in_use, queued)
         if self.trace:
           run.traced(jax.device_get(state["trace"]), int(iterations))
         for slot in np.flatnonzero((owner >= 0) & light["done"]):
@@ -789,6 +802,7 @@ class _Run:
     self.preempted = np.zeros(count, np.int64)
     self.first_at = np.zeros(count)
     self.rounds = self.busy = 0
+    self.queued_rounds = self.queued_busy = 0
     self.pages_peak = self.page_rounds = 0
     self.traces: list[dict] = []
     self.bar = tqdm(total=count, desc="decode", disable=not progress)
@@ -805,10 +819,14 @@ class _Run:
     self.first_at[prompts[~resumed]] = now
     self.admit_at[prompts[~resumed]] = now
 
-  def ran(self, iterations: int, busy: int, pages: int | None):
-    """A chunk ran `iterations` with `busy` busy slot-iterations and `pages` pages in use."""
+  def ran(self, iterations: int, busy: int, pages: int | None, queued: bool):
+    """A chunk ran `iterations` with `busy` busy slot-iterations and `pages` pages in use, having
+    started with prompts waiting (`queued`) or not."""
     self.rounds += iterations
     self.busy += busy
+    if queued:
+      self.queued_rounds += iterations
+      self.queued_busy += busy
     if pages is not None:
       self.pages_peak = max(self.pages_peak, pages)
       self.page_rounds += pages * iterations
@@ -860,5 +878,6 @@ class _Run:
         pages_peak=self.pages_peak,
         pages_mean=self.page_rounds / self.rounds if self.rounds else 0.0,
         preemptions=0 if pages is None else pages.preemptions,
+        queued_rounds=self.queued_rounds, queued_busy_slot_rounds=self.queued_busy,
         trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
                                  for k in self.traces[0]}) if self.traces else None)
