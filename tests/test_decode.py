@@ -83,8 +83,8 @@ def test_decode_vmaps_over_keys_and_seeds(pair):
   assert all(np.array_equal(batched.tokens[0, 0], batched.tokens[i, 0]) for i in range(4))
   # vmap over seeds: a traced SamplingParams.
   seeds = np.arange(12, dtype=np.uint32).reshape(3, 4)
-  by_seed = jax.vmap(lambda s: decode(dj.SamplingParams(temperature=params.temperature, seed=s),
-                                      jax.random.key(0)))(seeds)
+  by_seed = jax.jit(jax.vmap(lambda s: decode(
+      dj.SamplingParams(temperature=params.temperature, seed=s), jax.random.key(0))))(seeds)
   assert by_seed.tokens.shape == (3, 4, 5)
 
 

@@ -66,6 +66,8 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   assert result.tau == pytest.approx(fixed.tau)
   assert 0 < result.occupancy <= 1 and result.slot_rounds == 2 * result.rounds
   assert result.busy_slot_rounds >= result.row_rounds.sum()
+  # While prompts wait, both slots are busy but for the iterations after a row's end in its chunk.
+  assert 0 < result.queued_rounds < result.rounds and 1 <= result.saturated_rows <= 2
   for r in result.results:
     assert r.ttft_seconds >= 0 and r.seconds >= 0 and r.tokens.size == result.lengths[r.index]
 
@@ -194,6 +196,7 @@ def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
   preempted = [r.index for r in result.results if r.preempted]
   assert result.preemptions >= 1 and any(TEMPERATURES[i] > 0 for i in preempted)
   assert 0 < result.pages_mean <= result.pages_peak <= 2
+  assert 1 <= result.saturated_rows <= 2   # the pool holds one slot's capacity, rows grow in it
   # Other prompt lengths and budgets in the same buckets compile nothing more.
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(

@@ -340,13 +340,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dp", [(4, 1), (2, 2)])
-def test_two_processes_decode_one_devices_tokens(tmp_path, tp, dp):
+def test_two_processes_decode_one_devices_tokens(tmp_path):
   """scripts/multihost_demo.py as two processes on the CPU (2 devices each, Gloo collectives):
   `jax.distributed.initialize`, one mesh over both (TP = 4: every layer's collectives cross
-  processes; TP 2 x DP 2: a replica per process, the rows gathered to both), the target loaded
-  into shards (each process reading its own parts), speculative greedy `generate`: both processes
-  print one device's tokens."""
+  processes), the target loaded into shards (each process reading its own parts), speculative
+  greedy `generate`: both processes print one device's tokens. (Data-parallel replicas are
+  tested in one process: `test_sampled_rows_and_data_parallel_replicas_equal_one_device`.)"""
+  tp, dp = 4, 1
   config = tm.TargetConfig(vocab_size=VOCAB, num_layers=2, layer=SHAPE, feature_layers=(-1, 0))
   target = tm.TargetModel(config, rngs=nnx.Rngs(0))
   draft = dm.DSparkDraft(dm.DraftConfig(gamma=3, num_layers=1, target_layer_ids=(-1, 0),
