@@ -95,16 +95,16 @@ def test_eval_runs_end_to_end(tmp_path, capsys, monkeypatch):
     calls.append((draft is None, len(prompts)))
     return generate(target, draft, prompts, *args, **kwargs)
   monkeypatch.setattr(evaluation.decoding, "generate", spy)
-  assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--temperatures", "0",
+  assert cli.main(["eval", "--prompts", "2", "--max-new-tokens", "12", "--temperatures", "1",
                    "--concurrency", "1", "--out", str(tmp_path)]) == 0
   assert sorted(calls) == [(False, 2)] * 2 + [(True, 2)]
   result = json.load(open(tmp_path / "acceptance.json"))
   assert result["concurrency"] == 1 and result["prompts"] == 2
   assert {(r["drafter"], r["temperature"]) for r in result["rows"]} == {
-      ("dspark", 0.0), ("parallel (ablation)", 0.0)}
+      ("dspark", 1.0), ("parallel (ablation)", 1.0)}
   assert all(r["tau"] >= 1.0 for r in result["rows"])
   assert (tmp_path / "acceptance.png").stat().st_size > 1000
-  assert "| dspark | 0 |" in capsys.readouterr().out
+  assert "| dspark | 1 |" in capsys.readouterr().out
 
 
 TINY = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(-1, 1),
