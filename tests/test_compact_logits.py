@@ -78,9 +78,18 @@ def _same_prefix(tokens_a, tokens_b):
   return np.logical_and.accumulate(same, axis=1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS,
-                         ids=["loop", "unrolled", "triton-draws", "triton-chosen-tile", "eager"])
+# The kernel that rereads the chosen tiles with every head kind; every other path with one kind,
+# each kind on two of them (suite time).
+COMPACT_CASES = [
+    pytest.param(kind, CHOSEN_TILE, marks=pytest.mark.kernel, id=f"triton-chosen-tile-{kind}")
+    for kind in KINDS] + [
+    pytest.param("gated", TILE_DRAWS, marks=pytest.mark.kernel, id="triton-draws-gated"),
+    pytest.param("rnn", LOOP, id="loop-rnn"),
+    pytest.param("vanilla", ("xla", dispatch.XlaConfig(form="unrolled")), id="unrolled-vanilla"),
+    pytest.param("gated", "eager", id="eager-gated")]
+
+
+@pytest.mark.parametrize("kind,path", COMPACT_CASES)
 @pytest.mark.slow
 def test_compact_block_keeps_the_tokens_and_recomputes_its_rows(kind, path):
   # Against the same block with stored logits (another program): the tokens, and every recomputed

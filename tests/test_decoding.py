@@ -52,7 +52,7 @@ def target():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gamma,kind", list(itertools.product([1, 4, 7], ["vanilla", "gated", "rnn"])))
+@pytest.mark.parametrize("gamma,kind", [(1, "gated"), (4, "rnn"), (7, "vanilla"), (7, "gated")])
 def test_greedy_speculative_equals_greedy_autoregressive(target, gamma, kind):
   draft = make_draft(target, gamma, kind)
   params = dj.SamplingParams(temperature=0.0, batch_size=len(PROMPTS))
