@@ -25,6 +25,9 @@ Each step runs as a subprocess from the repository root (``PYTHONPATH`` set to i
   padding  ``python -m benchmarks.bench_verify`` at B = 16 and 64, context 128: the AR step and the
            verify in caches of 192 and 8256 slots (the padding cost), and the packed verify
            against the dense one at 2 and 8 tokens per row.
+  prefill  ``python -m benchmarks.bench_prefill`` at B = 16, 4096-token prompts: the whole prompt in
+           one pass against passes of 1024 positions (ms and scratch memory); a failed chunked
+           cell fails the step.
 
 The pass/fail table (result, seconds, a note) is printed last and written to
 ``$OUT/gpu_check.json``; the exit status is 0 only if every step passed. A step that would start
@@ -155,6 +158,12 @@ def _padding_note(results: dict) -> str:
   return "padding cost " + "; ".join(parts)
 
 
+def _prefill_note(results: list[dict]) -> str:
+  return "; ".join(f"B={r['batch']} T={r['length']} {r['chunk']} "
+                   + (r["error"][:30] if r["error"] else
+                      f"{r['ms']:.1f} ms {r['temp_bytes'] / 2**30:.1f} GiB") for r in results)
+
+
 def _decode_note(results: dict) -> str:
   return "; ".join(f"B={r['batch']} {r['backend']} round {r['seconds']['full round'] * 1e3:.2f} ms"
                    for r in results["rounds"].values())
@@ -175,6 +184,7 @@ def steps(args, out: str) -> list[Step]:
   sampler_json = os.path.join(out, "bench_sampler.json")
   decode_json = os.path.join(out, "bench_decode.json")
   verify_json = os.path.join(out, "bench_verify.json")
+  prefill_json = os.path.join(out, "bench_prefill.json")
   # The same sample on both: EVAL_MIN_TAU is a property of the shipped models on it (on 2 prompts
   # × 16 tokens the greedy τ is ~1.5).
   eval_args = ["--prompts", "4", "--max-new-tokens", "64"]
@@ -183,6 +193,7 @@ def steps(args, out: str) -> list[Step]:
     sampler_args = ["--small"]
     decode_args = ["--small"]
     verify_args = ["--small", "--tokens", "2,8"]
+    prefill_args = ["--small"]
   else:
     demo_args = ["--prompts", "2", "--max-new-tokens", "64"]
     sampler_args = ["--vocab", "129280", "--batch", "8,128", "--gamma", "7", "--rank", "256",
@@ -190,6 +201,8 @@ def steps(args, out: str) -> list[Step]:
     decode_args = ["--batches", "16", "--context", "1024", "--e2e-batch", "0", "--repeats", "10"]
     verify_args = ["--batches", "16,64", "--context", "128", "--capacities", "192,8256",
                    "--tokens", "2,8", "--repeats", "5"]
+    prefill_args = ["--batches", "16", "--lengths", "4096", "--chunks", "whole,1024",
+                    "--repeats", "3"]
   scale = 6 if smoke else 1  # the CPU runs kernels in the interpreter
   return [
       Step("device", [py, "-c", probe], 60, _check_device(smoke), platform),
@@ -206,6 +219,8 @@ def steps(args, out: str) -> list[Step]:
            180 * scale, _check_bench(decode_json, _decode_note), platform),
       Step("padding", [py, "-m", "benchmarks.bench_verify", *verify_args, "--json", verify_json],
            150 * scale, _check_bench(verify_json, _padding_note), platform),
+      Step("prefill", [py, "-m", "benchmarks.bench_prefill", *prefill_args, "--json", prefill_json],
+           120 * scale, _check_bench(prefill_json, _prefill_note), platform),
   ]
 
 
@@ -256,7 +271,7 @@ def main(argv=None) -> int:
                       help="every step on the CPU with tiny shapes (--small), larger timeouts")
   parser.add_argument("--steps", default=None,
                       help="comma list of steps to run (default: all): device,tests,demo,eval,"
-                      "sampler,decode,padding")
+                      "sampler,decode,padding,prefill")
   parser.add_argument("--budget", type=float, default=None,
                       help=f"seconds for the whole check (default {GPU_BUDGET_S}; --cpu-smoke: "
                       f"{SMOKE_BUDGET_S})")

@@ -47,9 +47,10 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   # 6 prompts (greedy and sampled rows, budgets 1..8, a stop token) through 2 slots: every prompt's
   # tokens, finish reason and counts equal the same prompts decoded as one fixed batch, whose rows
   # equal each prompt decoded alone (tests/test_decoding.py; every prompt alone:
-  # `test_each_prompt_decodes_as_alone`).
+  # `test_each_prompt_decodes_as_alone`). The queue prefills in passes of 4 positions (groups with
+  # a longer prompt padded to the slot's capacity), the fixed batch each prompt in one pass.
   finished = []
-  result = _queue(pair, spec, on_finish=lambda r: finished.append(r.index))
+  result = _queue(pair, spec, prefill_chunk=4, on_finish=lambda r: finished.append(r.index))
   target, draft = pair
   params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
   fixed = dj.generate(target, draft if spec else None, PROMPTS, params, jax.random.key(5),
@@ -176,12 +177,14 @@ def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
   # positions (one slot's capacity), growing by a lookahead of one round: rows are admitted by free
   # pages and the newest is preempted when the oldest grows into a second page, then recomputed
   # from its prompt and committed tokens. Every prompt's tokens and counts equal the fixed batch
-  # (whose rows equal decoding alone, tests/test_decoding.py), preempted sampled rows included.
+  # (whose rows equal decoding alone, tests/test_decoding.py), preempted sampled rows included;
+  # the queue prefills in passes of 4 positions (a resumed row's prompt and tokens too), the fixed
+  # batch in one pass.
   target, draft = pair
   params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
   budgets = [8] * len(PROMPTS)
   engine = dj.Engine(target, draft, max_batch_size=2, rounds_per_call=1, kv="paged",
-                     page_size=16, num_pages=2)
+                     page_size=16, num_pages=2, prefill_chunk=4)
   result = engine.generate(PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
                            stop_token_ids=[STOP])
   fixed = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=budgets,
@@ -203,7 +206,7 @@ def test_paged_queue_preempts_and_each_prompt_decodes_as_in_a_fixed_batch(pair):
       lambda name, *a, **k: compiles.append(name) if name.endswith("backend_compile_duration")
       else None)
   try:
-    again = engine.generate([[5, 4, 3, 2, 1, 0], [8], [2, 3, 4, 5]],
+    again = engine.generate([[5, 4, 3], [8], [2, 3, 4, 5]],
                             dj.SamplingParams(temperature=TEMPERATURES[:3], seed=SEEDS[:3]),
                             jax.random.key(5), max_new_tokens=[2, 3, 1], stop_token_ids=[STOP])
   finally:

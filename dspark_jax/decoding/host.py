@@ -25,7 +25,7 @@ from dspark_jax import validation
 from dspark_jax import verification
 from dspark_jax.decoding import loop
 from dspark_jax.decoding import stops
-from dspark_jax.decoding.rounds import PATH_AUTOREGRESSIVE, _row_arrays
+from dspark_jax.decoding.rounds import PATH_AUTOREGRESSIVE, PREFILL_CHUNK, _row_arrays
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.kernels import dispatch
@@ -207,7 +207,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              stop_sequences=(), schedule=None, trace: bool = False,
              max_batch_size: int | None = None, max_seq_len: int | None = None,
              progress: bool = False, on_finish=None, kv: str | None = None,
-             num_pages: int | None = None, page_size: int | None = None) -> GenerateResult:
+             num_pages: int | None = None, page_size: int | None = None,
+             prefill_chunk: int | None = PREFILL_CHUNK) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -244,6 +245,9 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
       prompt finishes (`queue.Engine`).
     kv, num_pages, page_size: with `max_batch_size` only: the slots' caches, "contiguous" (None:
       the default) or "paged", and the paged pool's pages and page size (`queue.Engine`).
+    prefill_chunk: prompt positions per prefill pass: a longer prompt is prefilled in passes of
+      this many, each attending to the cache written so far, so its activation memory follows the
+      chunk, not the prompt (`loop.decode`). None: the whole prompt in one pass.
 
   Returns:
     A `GenerateResult` (with `max_batch_size`: a `queue.QueueResult`, the same array fields plus
@@ -264,7 +268,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     engine = queue.Engine(target, draft, max_batch_size, max_seq_len=max_seq_len, spec=spec,
                           schedule=schedule, mode=mode, memory_stats=memory_stats,
                           headroom_bytes=headroom_bytes, store_logits=store_logits,
-                          backend=backend, config=config, trace=bool(trace), **paging)
+                          backend=backend, config=config, trace=bool(trace),
+                          prefill_chunk=prefill_chunk, **paging)
     return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
                            stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                            progress=progress, on_finish=on_finish)
@@ -295,6 +300,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   if trace and not spec:
     raise ValueError("trace: only speculative decoding has rounds to trace (got spec=False)")
   trace = bool(trace)
+  prefill_chunk = loop.check_prefill_chunk(prefill_chunk)
 
   padded_batch = bucket(batch)
   path, _ = _choose_path(spec, params, draft, padded_batch, vocab, mode, memory_stats,
@@ -327,11 +333,11 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     out = loop._run_eager(target_state, draft_state, args, target_def=target_def,
                           draft_def=draft_def, kind=draft.head.kind, cache_len=cache_len,
                           out_len=out_len, store_logits=store_logits, schedule=schedule,
-                          trace=trace)
+                          trace=trace, prefill_chunk=prefill_chunk)
   else:
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
                    out_len=out_len, store_logits=store_logits, backend=choice,
-                   schedule=schedule, trace=trace)
+                   schedule=schedule, trace=trace, prefill_chunk=prefill_chunk)
     program, compile_seconds = compiled(loop._decode_program, (target_state, draft_state, *args),
                                         statics)
     start += compile_seconds

@@ -21,7 +21,7 @@ from jax.extend import core as jax_core
 
 from dspark_jax import validation
 from dspark_jax.decoding import stops
-from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, _after_proposal,
+from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, PREFILL_CHUNK, _after_proposal,
                                         _autoregressive_step, _draft_forward, _draft_inputs,
                                         _finish, _prefill, _row_arrays, _speculative_round,
                                         draft_key)
@@ -109,12 +109,13 @@ def _as_output(state, gamma: int) -> DecodeOutput:
 
 def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids,
                     stop_seqs, key, *, target_def, draft_def, path, cache_len, out_len,
-                    store_logits=True, backend=None, schedule=None, trace=False):
+                    store_logits=True, backend=None, schedule=None, trace=False,
+                    prefill_chunk=PREFILL_CHUNK):
   """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   state = _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len,
-                   out_len, stop_seqs, schedule, trace)
+                   out_len, stop_seqs, schedule, trace, chunk=prefill_chunk)
   body = iteration(target, draft, path, max_new, rows, stop_ids, stop_seqs, key,
                    store_logits=store_logits, backend=backend, schedule=schedule)
   limit = out_len  # every iteration commits at least one token per active row
@@ -218,7 +219,8 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
            max_new_tokens: int, budgets: jax.Array | None = None,
            stop_token_ids: jax.Array | None = None, stop_sequences: jax.Array | None = None,
            spec: bool = True, greedy_only: bool = False, store_logits: bool = True, backend=None,
-           config=None, schedule=None, trace: bool = False) -> DecodeOutput:
+           config=None, schedule=None, trace: bool = False,
+           prefill_chunk: int | None = PREFILL_CHUNK) -> DecodeOutput:
   """The whole decode as a pure function of arrays: the program `generate` compiles, unwrapped.
 
   Call it under your own ``jax.jit`` (the models may be closed over or passed through
@@ -245,10 +247,13 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
     schedule: static: a `Schedule` choosing each round's verify lengths from the block's confidence
       (``dspark_jax.scheduling.schedules``); None verifies γ + 1 tokens per row (`rounds`).
     trace: static: record per-round arrays (`RoundTrace`; speculative decoding only).
+    prefill_chunk: static: prompt positions per prefill pass; a longer prompt is prefilled in
+      passes of this many, each attending to the cache written so far (activation memory follows
+      the chunk, not T). None: the whole prompt in one pass.
 
   Static, so a change compiles a new program: `max_new_tokens`, `spec`, `greedy_only`,
-  `store_logits`, `backend`, `config`, `schedule` (by identity), `trace`, and every shape
-  (B, T, S, L). Everything else may be traced.
+  `store_logits`, `backend`, `config`, `schedule` (by identity), `trace`, `prefill_chunk`, and
+  every shape (B, T, S, L). Everything else may be traced.
 
   Returns:
     A `DecodeOutput`.
@@ -260,6 +265,7 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
   batch, prompt_len = np.shape(prompt)
   validation.check_key("key", key)
   max_new_tokens = validation.check_nonnegative_int("max_new_tokens", max_new_tokens)
+  prefill_chunk = check_prefill_chunk(prefill_chunk)
   if spec and draft is None:
     raise ValueError("draft: required for speculative decoding (pass spec=False for the loop)")
   check_schedule(schedule, draft, spec)
@@ -292,20 +298,27 @@ def decode(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompt: jax.Arr
                         jnp.asarray(prompt_lens, jnp.int32), budgets, rows, stop_ids, stop_seqs,
                         key, target_def=target_def, draft_def=draft_def, path=path,
                         cache_len=cache_len, out_len=out_len, store_logits=store_logits,
-                        backend=choice, schedule=schedule, trace=bool(trace))
+                        backend=choice, schedule=schedule, trace=bool(trace),
+                        prefill_chunk=prefill_chunk)
   return out.replace(tokens=out.tokens[:, :max_new_tokens])
+
+
+def check_prefill_chunk(value) -> int | None:
+  """`value` (None or an integer >= 1), or ValueError naming ``prefill_chunk``."""
+  return None if value is None else validation.check_positive_int("prefill_chunk", value)
 
 
 # ---- the eager fallback: the same round driven from Python -------------------------------------------
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "cache_len", "out_len",
-                                             "schedule", "trace"))
+                                             "schedule", "trace", "prefill_chunk"))
 def _eager_prefill(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids,
-                   stop_seqs, key, *, target_def, draft_def, cache_len, out_len, schedule, trace):
+                   stop_seqs, key, *, target_def, draft_def, cache_len, out_len, schedule, trace,
+                   prefill_chunk):
   return _prefill(nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state), prompt,
                   prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len, stop_seqs,
-                  schedule, trace)
+                  schedule, trace, chunk=prefill_chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
@@ -330,12 +343,12 @@ def _eager_output(state, *, out_len, gamma):
 
 
 def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len,
-               store_logits=True, schedule=None, trace=False):
+               store_logits=True, schedule=None, trace=False, prefill_chunk=PREFILL_CHUNK):
   """The eager fallback's decode: the `DecodeOutput` `_decode_program` would return."""
   prompt, prompt_lens, max_new, rows, stop_ids, stop_seqs, key = args
   defs = dict(target_def=target_def, draft_def=draft_def)
   state = _eager_prefill(target_state, draft_state, *args, cache_len=cache_len, out_len=out_len,
-                         schedule=schedule, trace=trace, **defs)
+                         schedule=schedule, trace=trace, prefill_chunk=prefill_chunk, **defs)
   while not bool(jnp.all(state["done"])) and int(state["rounds"]) < out_len:
     base, hidden, head, conf = _eager_draft(target_state, draft_state, state, **defs)
     tokens, corrected, confidence = proposal.eager_block(

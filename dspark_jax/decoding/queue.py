@@ -7,8 +7,10 @@ of prompts decoded through S static slots, results in prompt order (`QueueResult
 **Programs.** Two compiled programs, both from `host.compiled`'s cache:
 
 * the *refill* (`_refill_program`): prefills K new prompts (right-padded to a length bucket T, K a
-  power of two up to S, so one program per (K, T) bucket and never one per prompt length) with the
-  same `rounds._prefill` as `generate`, and writes their rows into the chosen slots (`SlotCaches`
+  power of two up to S, so one program per (K, T) bucket and never one per prompt length; a group
+  with a prompt over ``prefill_chunk`` positions is padded to the slot's capacity and prefilled in
+  passes of that many, so all such groups of K rows share one program) with the same
+  `rounds._prefill` as `generate`, and writes their rows into the chosen slots (`SlotCaches`
   for the caches, a scatter for every other per-row array: tokens, counts, flags, per-row sampling
   parameters, budgets, stop ids and sequences);
 * the *chunk* (`_chunk_program`): a `lax.while_loop` of the usual iterations (`loop.iteration`)
@@ -59,7 +61,7 @@ from dspark_jax import verification
 from dspark_jax.decoding import host
 from dspark_jax.decoding import loop
 from dspark_jax.decoding import stops
-from dspark_jax.decoding.rounds import _prefill, _row_arrays
+from dspark_jax.decoding.rounds import PREFILL_CHUNK, _prefill, _row_arrays
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.models import draft as dm
@@ -298,7 +300,8 @@ def _admit(state, inputs, fresh, new_inputs, slots, table=None):
 
 
 def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_lens, new_inputs,
-                    slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len):
+                    slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len,
+                    prefill_chunk):
   """Prefills K prompts ([K, T]) and admits them into `slots` (module docstring).
 
   Paged caches (`table`: the host's [S, max_pages] block table, else None): the prefill writes
@@ -314,7 +317,7 @@ def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_len
               for name in CACHE_KEYS if name in state}
   fresh = _prefill(target, draft, prompt, prompt_lens, new_inputs["max_new"], new_inputs["rows"],
                    new_inputs["stop_ids"], key, cache_len, out_len, new_inputs["stop_seqs"],
-                   cache=caches.get("cache"), context=caches.get("context"))
+                   cache=caches.get("cache"), context=caches.get("context"), chunk=prefill_chunk)
   if saved is not None:
     fresh = dict(fresh)
     for name, value in saved.items():
@@ -405,6 +408,8 @@ class Engine:
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
     trace: record every iteration's `loop.RoundTrace` per slot (`QueueResult.trace`); speculative
       decoding with no schedule or a stateless one only.
+    prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose longest
+      prompt is longer is padded to the slot's capacity, so such refills share one program per K.
   """
 
   target: tm.TargetModel
@@ -425,11 +430,13 @@ class Engine:
   backend: str | None = None
   config: Any = None
   trace: bool = False
+  prefill_chunk: int | None = PREFILL_CHUNK
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
     self.rounds_per_call = _check_positive("rounds_per_call", self.rounds_per_call)
     self.refill_at = _check_positive("refill_at", self.refill_at)
+    self.prefill_chunk = loop.check_prefill_chunk(self.prefill_chunk)
     if self.max_seq_len is not None:
       self.max_seq_len = _check_positive("max_seq_len", self.max_seq_len)
     if self.kv not in KV_FORMS:
@@ -554,7 +561,7 @@ class Engine:
     draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
     models = (target_state, draft_state)
     refill_statics = dict(target_def=target_def, draft_def=draft_def, cache_len=cache_len,
-                          out_len=out_len)
+                          out_len=out_len, prefill_chunk=self.prefill_chunk)
     chunk_statics = dict(target_def=target_def, draft_def=draft_def, path=path,
                          store_logits=self.store_logits, backend=choice, schedule=schedule,
                          rounds_per_call=self.rounds_per_call)
@@ -593,7 +600,8 @@ class Engine:
           k = host.bucket(taken.size)
           index = np.concatenate([taken, np.full(k - taken.size, taken[0])])
           where = np.concatenate([free, np.full(k - taken.size, slots_n)]).astype(np.int32)
-          group, group_lens = _group_prompts(padded, lens, index, saved, cache_len)
+          group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
+                                             self.prefill_chunk)
           resume = np.array([int(i) in saved for i in index])
           row_state = None
           if pages is not None:
@@ -646,9 +654,11 @@ class Engine:
     return run.result(budgets, path, choice, slots_n, cache_len, pages)
 
 
-def _group_prompts(padded, lens, index, saved, cache_len):
+def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
   """The [K, T] tokens and [K] lengths a refill prefills: each prompt, or for a resumed one its
-  prompt and committed tokens but the last (its anchor), right-padded to a length bucket T."""
+  prompt and committed tokens but the last (its anchor), right-padded to a length bucket T; to
+  `cache_len` when the longest is over `chunk` (a chunked prefill's passes follow the longest row,
+  so the padding costs nothing and every such refill of K rows is one program)."""
   rows, row_lens = [], []
   for i in (int(i) for i in index):
     tokens = padded[i, :lens[i]]
@@ -658,6 +668,8 @@ def _group_prompts(padded, lens, index, saved, cache_len):
     rows.append(tokens)
     row_lens.append(tokens.size)
   width = min(host.bucket(max(row_lens), host.MIN_BUCKET), cache_len)
+  if chunk is not None and max(row_lens) > chunk:
+    width = cache_len
   group = np.zeros((len(rows), width), np.int32)
   for r, tokens in enumerate(rows):
     group[r, :tokens.size] = tokens

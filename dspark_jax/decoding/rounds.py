@@ -1,7 +1,8 @@
 """The pieces of one decoding iteration, as pure functions traced into the compiled programs.
 
 This module owns what one iteration does to the loop state (a dict of arrays, the
-`lax.while_loop` carry): `_prefill` (run the prompts, sample the first token, build the state),
+`lax.while_loop` carry): `_prefill` (run the prompts, in passes of at most ``PREFILL_CHUNK``
+positions by default (`_prefill_forward`), sample the first token, build the state),
 `_autoregressive_step` (one target token), `_speculative_round` (draft forward, folded block,
 `_after_proposal`: choose the verify lengths, verify, commit, extend the draft's context, count),
 and `_finish` (cut the output after each row's length). Nothing here synchronises with the host.
@@ -54,6 +55,9 @@ from dspark_jax.sampling import sampler as sampling
 from dspark_jax.sampling import target_law
 
 PATH_AUTOREGRESSIVE = "autoregressive"
+PREFILL_CHUNK = 512
+"""Default prompt positions per prefill pass (`_prefill_forward`): a longer prompt is prefilled in
+passes of this many positions, each attending to the cache written so far."""
 
 
 def _row_arrays(params: sp.SamplingParams, xp=np) -> dict[str, Any]:
@@ -88,19 +92,68 @@ def _with_stop_index(new, state, stopped, hit, index):
   return new
 
 
+def _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk):
+  """Runs [B, T] right-padded prompts through the target (and their features into the draft's
+  context cache) -> (logits [B, V] at each row's last prompt token, cache, context).
+
+  With `chunk` (a static int) and T > chunk, the prompts run in passes of `chunk` positions: the
+  first T // chunk in a `lax.while_loop` that stops after the longest row's last chunk, then the
+  T % chunk left, if any row reaches them. Each pass attends to the cache written so far, so the
+  activations (attention scores included) follow the chunk, not T. Only the last token's logits
+  are computed. `context` is None without a draft."""
+  batch, width = prompt.shape
+
+  def run(tokens, start, cache, context, last):
+    positions = start + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                         tokens.shape)
+    hidden, features, cache = target(tokens, positions, cache, head=False)
+    if draft is not None:
+      context = draft.extend_context(features, positions, context)
+    at = prompt_lens - 1 - start
+    inside = (at >= 0) & (at < tokens.shape[1])
+    mine = jnp.take_along_axis(hidden, jnp.clip(at, 0, tokens.shape[1] - 1)[:, None, None],
+                               axis=1)[:, 0]
+    return cache, context, jnp.where(inside[:, None], mine.astype(last.dtype), last)
+
+  last = jnp.zeros((batch, target.config.hidden_size), target.config.dtype)
+  if chunk is None or width <= chunk:
+    cache, context, last = run(prompt, jnp.int32(0), cache, context, last)
+    return target.logits(last), cache, context
+  full, rest = divmod(width, chunk)
+  longest = jnp.max(prompt_lens).astype(jnp.int32)
+
+  def body(carry):
+    i, cache, context, last = carry
+    start = i * chunk
+    tokens = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)
+    return (i + 1, *run(tokens, start, cache, context, last))
+
+  count = jnp.minimum((longest + chunk - 1) // chunk, full)
+  _, cache, context, last = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                               (jnp.int32(0), cache, context, last))
+  if rest:
+    start = jnp.int32(full * chunk)
+    cache, context, last = jax.lax.cond(
+        longest > start, lambda c, x, h: run(prompt[:, full * chunk:], start, c, x, h),
+        lambda c, x, h: (c, x, h), cache, context, last)
+  return target.logits(last), cache, context
+
+
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len,
-             stop_seqs=None, schedule=None, trace=False, cache=None, context=None):
+             stop_seqs=None, schedule=None, trace=False, cache=None, context=None,
+             chunk=PREFILL_CHUNK):
   """Runs the prompts, samples the first token, builds the initial loop state.
 
   `cache`/`context` (optional): the target's and the draft's caches to write the prompts into
   (e.g. paged ones whose tables hold these rows' pages); None builds contiguous ones of
-  `cache_len` positions."""
-  batch, prompt_len = prompt.shape
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  `cache_len` positions. `chunk`: positions per prefill pass (`_prefill_forward`; None: the whole
+  prompt in one pass)."""
+  batch = prompt.shape[0]
   if cache is None:
     cache = tm.init_cache(target.config, batch, cache_len)
-  logits, features, cache = target(prompt, positions, cache)
-  last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  if draft is not None and context is None:
+    context = draft.init_context(batch, cache_len)
+  last, cache, context = _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk)
   keys = sampling.row_keys(key, rows["seeds"], prompt_lens, sampling.Stream.TARGET)
   first = target_law.sample_target_tokens(last, rows["greedy"], rows["temperature"], rows["top_k"],
                                           rows["top_p"], keys)
@@ -121,9 +174,7 @@ def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, c
                done=stopped | (count >= max_new))
   if draft is not None:
     gamma = draft.config.gamma
-    if context is None:
-      context = draft.init_context(batch, cache_len)
-    state["context"] = draft.extend_context(features, positions, context)
+    state["context"] = context
     state["reached"] = jnp.zeros((gamma,), jnp.int32)
     state["accepted"] = jnp.zeros((gamma,), jnp.int32)
     state["row_rounds"] = jnp.zeros((batch,), jnp.int32)

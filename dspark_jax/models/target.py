@@ -158,7 +158,7 @@ class TargetModel(nnx.Module):
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     return self.logits(self.final_norm(x)), features
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict
+  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict, *, head: bool = True
                ) -> tuple[jax.Array, jax.Array, dict]:
     """Runs T new tokens per row.
 
@@ -168,6 +168,8 @@ class TargetModel(nnx.Module):
       cache: from `init_cache` (S slots; slot s holds the keys/values of position s), or a paged
         cache (`dspark_jax.paging.cache.PagedKV` with B table rows: keys/values written and read
         through its block table; a row without a page for a position writes nothing there).
+      head: False returns the final-normed hidden states [B, T, E] in place of the logits, for a
+        caller that needs the logits of a few positions only (`logits` of those).
 
     Returns:
       logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
@@ -176,18 +178,19 @@ class TargetModel(nnx.Module):
     limits = positions + 1                                              # causal: slots <= position
     if isinstance(cache, paging.PagedKV):
       rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
-      return self._paged(tokens, positions, cache, rows, positions, limits, None)
+      return self._paged(tokens, positions, cache, rows, positions, limits, None, head)
 
     def gather_kv(i, k, v):
       keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
       values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
       return layers.CacheUpTo(keys, values, limits), (keys, values)
-    logits, features, kv = self._run(tokens, positions, gather_kv)
+    logits, features, kv = self._run(tokens, positions, gather_kv, head)
     return logits, features, {"k": kv[0], "v": kv[1]}
 
-  def _run(self, tokens: jax.Array, positions: jax.Array, gather_kv):
+  def _run(self, tokens: jax.Array, positions: jax.Array, gather_kv, head: bool = True):
     """The layers over [B, T] `tokens`, layer i attending to ``gather_kv(i, k, v)``'s source ->
-    logits, features and the per-layer caches ``(keys, values)`` (tuples) it returned."""
+    logits (with ``head=False`` the final-normed hidden states), features and the per-layer caches
+    ``(keys, values)`` (tuples) it returned."""
     x = self.embed(tokens)
     saved = {-1: x}
     new_k, new_v = [], []
@@ -197,10 +200,10 @@ class TargetModel(nnx.Module):
       new_v.append(values)
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
-    logits = self.logits(self.final_norm(x))
-    return logits, features, (tuple(new_k), tuple(new_v))
+    x = self.final_norm(x)
+    return self.logits(x) if head else x, features, (tuple(new_k), tuple(new_v))
 
-  def _paged(self, tokens, positions, cache, rows, write_positions, limits, slots):
+  def _paged(self, tokens, positions, cache, rows, write_positions, limits, slots, head=True):
     """`__call__` / `packed` over a paged cache: keys/values written at (`rows`,
     `write_positions`) through the block table, attention through it (`layers.PagedUpTo`)."""
     if slots is None and cache.slots != tokens.shape[0]:
@@ -215,7 +218,7 @@ class TargetModel(nnx.Module):
       source = layers.PagedUpTo(keys, values, cache.table, limits,
                                 rows if flat else None, slots)
       return source, (keys, values)
-    logits, features, kv = self._run(tokens, positions, gather_kv)
+    logits, features, kv = self._run(tokens, positions, gather_kv, head)
     return logits, features, dataclasses.replace(cache, k=kv[0], v=kv[1])
 
 

@@ -1,0 +1,83 @@
+"""The chunked prefill (`decoding.rounds._prefill_forward`): passes of `chunk` positions write the
+caches and give the last token's logits of the whole-prompt pass, and its activation memory follows
+the chunk. Tiny f32 models on the CPU; decoding through it (the queue, paged and contiguous, against
+whole-prompt prefills) is tested in tests/test_queue.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax as dj
+from dspark_jax.decoding import rounds
+from dspark_jax.models import target as tm
+from tests.test_decoding import make_draft, make_target
+
+WIDTH = 13
+SLOTS = 16
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = make_target()
+  return target, make_draft(target, 3, "vanilla")
+
+
+def _program(pair, chunk, width, slots=SLOTS):
+  target, draft = pair
+  (t_def, t_state), (d_def, d_state) = nnx.split(target), nnx.split(draft)
+
+  def run(t_state, d_state, prompt, lens):
+    target, draft = nnx.merge(t_def, t_state), nnx.merge(d_def, d_state)
+    batch = prompt.shape[0]
+    return rounds._prefill_forward(target, draft, prompt, lens,
+                                   tm.init_cache(target.config, batch, slots),
+                                   draft.init_context(batch, slots), chunk)
+  return jax.jit(run), (t_state, d_state)
+
+
+@pytest.mark.parametrize("lens", [[1, 4, 5, 13, 12], [1, 2, 6, 3, 5]],
+                         ids=["longest at the width", "longest short of the width"])
+def test_chunks_write_the_caches_and_last_logits_of_one_pass(pair, lens):
+  # Rows of length 1, at a chunk boundary, just past it and at the width; chunks of 4 (three full
+  # passes and a 1-position remainder) and 5 (two and a 3-position remainder). With
+  # the longest row at 6 the loop stops after two passes and the remainder is skipped. Every cache
+  # slot before a row's length and the last token's logits match the whole prompt in one pass.
+  vocab = pair[0].config.vocab_size
+  prompt = jnp.asarray(np.random.default_rng(3).integers(0, vocab, (len(lens), WIDTH)), jnp.int32)
+  lens = jnp.asarray(lens, jnp.int32)
+  whole, models = _program(pair, None, WIDTH)
+  ref_logits, ref_cache, ref_context = whole(*models, prompt, lens)
+  valid = (np.arange(SLOTS)[None, :] < np.asarray(lens)[:, None])[:, None, :, None]
+  for chunk in (4, 5):
+    run, _ = _program(pair, chunk, WIDTH)
+    logits, cache, context = run(*models, prompt, lens)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=f"chunk {chunk}")
+    for got, want in zip(jax.tree.leaves((cache, context)), jax.tree.leaves((ref_cache, ref_context))):
+      np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5,
+                                 atol=1e-5, err_msg=f"chunk {chunk}")
+
+
+def test_activation_memory_follows_the_chunk(pair):
+  # XLA's own accounting of the compiled program's temporaries (no timing): a 256-position prompt
+  # in passes of 32 needs under a quarter of the whole pass's scratch memory (its scores are
+  # [B, N, 32, S] per pass, not [B, N, 256, S]).
+  width = 256
+  args = (jnp.zeros((2, width), jnp.int32), jnp.asarray([width, 100], jnp.int32))
+  temp = {}
+  for chunk in (None, 32):
+    run, models = _program(pair, chunk, width, slots=width)
+    temp[chunk] = run.lower(*models, *args).compile().memory_analysis().temp_size_in_bytes
+  assert temp[32] < temp[None] / 4, temp
+
+
+def test_prefill_chunk_is_checked():
+  target = make_target()
+  params = dj.SamplingParams(temperature=[0.0])
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match="prefill_chunk"):
+      dj.generate(target, None, [[1, 2]], params, jax.random.key(0), spec=False,
+                  prefill_chunk=bad)
+  with pytest.raises(ValueError, match="prefill_chunk"):
+    dj.Engine(target, None, 2, spec=False, prefill_chunk=0)
