@@ -98,8 +98,10 @@ class SyntheticTarget(tm.TargetModel):
 
   rates: tuple[float, ...] = ()
 
-  def __call__(self, tokens, positions, cache):
-    logits, features, cache = super().__call__(tokens, positions, cache)
+  def __call__(self, tokens, positions, cache, *, head=True):
+    logits, features, cache = super().__call__(tokens, positions, cache, head=head)
+    if not head:  # hidden states (a prefill): no drafted token to accept
+      return logits, features, cache
     following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)
     slots = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return force_choice(logits, tokens, following, slots, positions, self.rates), features, cache
