@@ -39,9 +39,9 @@ def _program(pair, chunk, width, slots=SLOTS):
 
 def test_chunks_write_the_caches_and_last_logits_of_one_pass(pair):
   # Rows of length 1, at a chunk boundary, just past it and at the width; chunks of 4 (three full
-  # passes and a 1-position remainder) and 5 (two and a 3-position remainder). Every cache slot
-  # before a row's length and the last token's logits match the whole prompt in one pass. (Passes
-  # that stop after the longest row, short of the width: the queue's refills, tests/test_queue.py.)
+  # passes and a 1-position remainder). Every cache slot before a row's length and the last token's
+  # logits match the whole prompt in one pass. (Passes that stop after the longest row, short of
+  # the width: the queue's refills, tests/test_queue.py.)
   lens = [1, 4, 5, 13, 12]
   vocab = pair[0].config.vocab_size
   prompt = jnp.asarray(np.random.default_rng(3).integers(0, vocab, (len(lens), WIDTH)), jnp.int32)
@@ -49,13 +49,12 @@ def test_chunks_write_the_caches_and_last_logits_of_one_pass(pair):
   whole, models = _program(pair, None, WIDTH)
   ref_logits, ref_cache, ref_context = whole(*models, prompt, lens)
   valid = (np.arange(SLOTS)[None, :] < np.asarray(lens)[:, None])[:, None, :, None]
-  for chunk in (4, 5):
-    run, _ = _program(pair, chunk, WIDTH)
-    logits, cache, context = run(*models, prompt, lens)
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=f"chunk {chunk}")
-    for got, want in zip(jax.tree.leaves((cache, context)), jax.tree.leaves((ref_cache, ref_context))):
-      np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5,
-                                 atol=1e-5, err_msg=f"chunk {chunk}")
+  run, _ = _program(pair, 4, WIDTH)
+  logits, cache, context = run(*models, prompt, lens)
+  np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves((cache, context)), jax.tree.leaves((ref_cache, ref_context))):
+    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_activation_memory_follows_the_chunk(pair):

@@ -47,10 +47,9 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   # 6 prompts (greedy and sampled rows, budgets 1..8, a stop token) through 2 slots: every prompt's
   # tokens, finish reason and counts equal the same prompts decoded as one fixed batch, whose rows
   # equal each prompt decoded alone (tests/test_decoding.py; every prompt alone:
-  # `test_each_prompt_decodes_as_alone`). The queue prefills in passes of 4 positions (groups with
-  # a longer prompt padded to the slot's capacity), the fixed batch each prompt in one pass.
+  # `test_each_prompt_decodes_as_alone`).
   finished = []
-  result = _queue(pair, spec, prefill_chunk=4, on_finish=lambda r: finished.append(r.index))
+  result = _queue(pair, spec, on_finish=lambda r: finished.append(r.index))
   target, draft = pair
   params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
   fixed = dj.generate(target, draft if spec else None, PROMPTS, params, jax.random.key(5),
