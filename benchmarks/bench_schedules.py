@@ -18,12 +18,16 @@ where it matters:
 
 Per schedule (``none``, ``fixed``, ``threshold``, ``prefix``, ``top_k``) it reports the round time,
 τ (tokens committed per row and round), verify tokens per row, tokens/s = B·τ / round, and the cost
-model's prediction B·τ·SPS(N) from `profile_sps` (the packed verify alone, N = the mean verify
-tokens of the round; the draft's cost is left out, so the model is an upper bound). The schedule's
-own work (``update`` alone on these confidences, 10 calls in a loop) is timed separately.
+model's prediction B·τ·SPS(N) from `profile_sps` (N = the mean verify tokens of the round). The
+table behind ``prefix``/``top_k`` and the model is chosen by ``--sps``: ``verify`` (the packed
+verify alone: the draft's cost left out, so the model is an upper bound) or ``round`` (``draft_cost
+=True``: each verify plus the draft forward); with both, each of the two schedules runs once per
+table (``prefix@round``), side by side. The schedule's own work (``update`` alone on these
+confidences, 10 calls in a loop) is timed separately.
 
   python -m benchmarks.bench_schedules --small          # CPU smoke check
   python -m benchmarks.bench_schedules --batches 1,16,64,128 --context 1024
+  python -m benchmarks.bench_schedules --batches 1,16,64 --sps verify,round   # the two tables
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from dspark_jax.scheduling import schedules
 LOOP = bench_decode.LOOP
 DEFAULT_RATES = synthetic.DEFAULT_RATES
 NAMES = ("none", "fixed", "threshold", "prefix", "top_k")
+TABLES = ("verify", "round")
+READS_SPS = ("prefix", "top_k")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--threshold", type=float, default=0.5, help="threshold(t)'s t")
   parser.add_argument("--schedules", default=",".join(NAMES),
                       help=f"comma list of schedules (default all: {', '.join(NAMES)})")
+  parser.add_argument("--sps", default="verify",
+                      help="comma list of throughput tables for prefix/top_k and the model: "
+                      "verify (the packed verify alone, default), round (plus the draft forward)")
   harness.add_common_arguments(parser, repeats=5, warmup=1, backend=False)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
   args.batches = args.batches or ([4] if args.small else [1, 16, 64, 128])
@@ -80,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   if bad or not args.schedules:
     parser.error(f"--schedules: unknown {bad[0] if bad else args.schedules!r}; known: "
                  f"{', '.join(NAMES)}")
+  args.sps = [s.strip() for s in args.sps.split(",") if s.strip()]
+  if not args.sps or any(s not in TABLES for s in args.sps):
+    parser.error(f"--sps: expected a comma list of {', '.join(TABLES)}, got {args.sps!r}")
   return args
 
 
@@ -162,19 +174,26 @@ def main(argv=None) -> int:
   target, draft = bench_decode.build_models(args.small, args.gamma)
   results, rows = [], []
   for batch in args.batches:
-    profile = sps_profile.profile_sps(target, draft, batch_size=batch, context=args.context,
-                                      repeats=args.repeats, steps=4)
-    sps = profile.dense()
-    print(f"B={batch}: packed verify per bucket {profile.table()} verifies/s", flush=True)
-    for name in args.schedules:
+    tables = {}
+    for kind in args.sps:
+      profile = sps_profile.profile_sps(target, draft, batch_size=batch, context=args.context,
+                                        repeats=args.repeats, steps=4,
+                                        draft_cost=kind == "round")
+      tables[kind] = profile.dense()
+      print(f"B={batch}: {kind} steps/s per bucket {profile.table()}", flush=True)
+    runs = [(name, kind) for name in args.schedules
+            for kind in (args.sps if name in READS_SPS else args.sps[:1])]
+    for name, kind in runs:
+      sps = tables[kind]
+      label = f"{name}@{kind}" if name in READS_SPS and len(args.sps) > 1 else name
       r = run_schedule(target, draft, batch, args.context, args.rates,
                        make_schedule(name, sps, args.threshold), args)
       n = int(round(r["verify_tokens"] * batch))
       model = batch * r["tau"] * sps[min(max(n, 1), len(sps) - 1)]
-      r.update(batch=batch, schedule=name, tokens_per_s=batch * r["tau"] / r["round_s"],
+      r.update(batch=batch, schedule=label, sps=kind, tokens_per_s=batch * r["tau"] / r["round_s"],
                model_tokens_per_s=model)
       results.append(r)
-      print(f"  B={batch} {name}: round {r['round_s'] * 1e3:.3f} ms, τ {r['tau']:.2f}, verify "
+      print(f"  B={batch} {label}: round {r['round_s'] * 1e3:.3f} ms, τ {r['tau']:.2f}, verify "
             f"{r['verify_tokens']:.2f}/row, {r['tokens_per_s']:.0f} tokens/s (model "
             f"{model:.0f})", flush=True)
   by_batch = {}
@@ -191,7 +210,8 @@ def main(argv=None) -> int:
             "update % of round"]
   title = (f"bench_schedules ({meta['device_kind']}, context {args.context}, γ = {args.gamma}, "
            f"synthetic acceptance c = {list(args.rates)}, full-verify τ = "
-           f"{synthetic.expected_tau(args.rates, args.gamma):.2f}; model = B·τ·SPS(N), draft cost left out)")
+           f"{synthetic.expected_tau(args.rates, args.gamma):.2f}; model = B·τ·SPS(N) from the "
+           f"{' or '.join(args.sps)} table: the verify's leaves the draft's cost out)")
   harness.finish(title, header, rows, meta=meta, results=results, json_path=args.json)
   return 0
 

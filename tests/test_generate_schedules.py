@@ -4,6 +4,7 @@ traced confidences; ``fixed()`` equals ``schedule=None`` token for token; bad sc
 and sampled 3-token decodes under a non-fixed schedule follow the target's exact law (chi-square).
 Tiny f32 models on the CPU."""
 
+import json
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,6 +200,14 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   np.testing.assert_array_equal(buckets.batch_tokens, decoding.packing.token_buckets(
       ROWS, GAMMA + 1))
   assert np.all(buckets.rows == ROWS) and len(buckets.dense()) == ROWS * (GAMMA + 1) + 1
+  # With the draft's cost: each rate is one verify plus the draft forward of its rows, saved too.
+  rounds = dj.profile_sps(target, draft, batch_tokens=[6], context=8, repeats=1, steps=2,
+                          draft_cost=True, path=tmp_path / "rounds.json")
+  assert rounds.draft_seconds.shape == (1,) and np.all(rounds.draft_seconds > 0)
+  np.testing.assert_allclose(
+      rounds.steps_per_second, 1 / (rounds.seconds[:, 0] / 2 + rounds.draft_seconds), rtol=1e-12)
+  assert json.load(open(tmp_path / "rounds.json"))["draft_seconds"] == rounds.draft_seconds.tolist()
+  assert profile.draft_seconds is None
   for bad, match in ((dict(batch_tokens=[4, 0]), "^batch_tokens: entry 1 is 0"),
                      (dict(batch_tokens=[4], batch_size=2), "^batch_size, batch_tokens: give one"),
                      (dict(batch_tokens=[]), "^batch_tokens: expected a non-empty"),
@@ -208,3 +217,7 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
       dj.profile_sps(target, draft, **bad)
   with pytest.raises(ValueError, match="^gamma: required without a draft"):
     dj.profile_sps(target)
+  with pytest.raises(ValueError, match="^draft_cost: needs the draft"):
+    dj.profile_sps(target, gamma=GAMMA, draft_cost=True)
+  with pytest.raises(ValueError, match="^draft_cost: expected a bool"):
+    dj.profile_sps(target, draft, draft_cost="yes")

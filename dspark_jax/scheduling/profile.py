@@ -2,7 +2,9 @@
 
 This module owns `profile_sps`, the measurement behind the ``sps`` table that the schedules
 `schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
-passes per second with n batch tokens.
+passes per second with n batch tokens; with ``draft_cost=True``, rounds per second: each verify
+plus the draft forward of its rows, the part of a round whose cost does not follow n (the paper's
+"engine steps per second"), so that τ·SPS(n) is the round's token rate, not only the verify's.
 
 **What is timed.** The packed verify a scheduled decoding round runs (`decoding.packing`): n
 tokens of rows at positions ``context .. context + γ``, packed into a bucket of n slots, over a
@@ -14,7 +16,10 @@ With explicit ``batch_tokens`` each n is packed alone, over ``ceil(n / (γ + 1))
 sample runs ``steps`` forwards back to back inside one compiled `lax.fori_loop` (no host dispatch
 between them, as inside the decoding loop), after ``warmup`` untimed samples; the rate is
 ``steps / median(seconds)`` over ``repeats`` samples. The cache contents do not change the work
-(attention reads each row up to its position, whatever the slots hold), so it is left zero.
+(attention reads each row up to its position, whatever the slots hold), so it is left zero. The
+draft forward (``draft_cost=True``) is timed the same way for each size's rows: the backbone over
+one block, reading the context cache up to the anchor, and the shared LM head; the block sampling
+and the acceptance (small beside it) are left out.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class SpsProfile:
     rows: [n] int64 rows the packed tokens belonged to.
     seconds: [n, repeats] float64 the timed samples (each of ``steps`` forwards).
     context, gamma, steps: the settings measured.
+    draft_seconds: [n] float64 seconds of one draft forward over each size's rows, folded into
+      `steps_per_second` (``1 / (verify + draft)``); None when not measured (verify forwards only).
     device: the accelerator, in words. date: when (ISO 8601, UTC).
   """
 
@@ -59,6 +66,7 @@ class SpsProfile:
   steps: int
   device: str
   date: str
+  draft_seconds: np.ndarray | None = None
 
   def dense(self) -> np.ndarray:
     """The dense ``sps`` the schedules take: ``sps[m]`` = the rate measured at the smallest size
@@ -76,9 +84,11 @@ class SpsProfile:
   def save(self, path: str | os.PathLike) -> None:
     """Writes the table as JSON with `schedules.save_sps` (``schedules.load_sps`` reads it back)."""
     from dspark_jax.scheduling import schedules  # the table format belongs to the schedules
-    schedules.save_sps(path, (self.batch_tokens.tolist(), self.steps_per_second.tolist()),
-                       {"device": self.device, "date": self.date, "context": self.context,
-                        "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist()})
+    meta = {"device": self.device, "date": self.date, "context": self.context,
+            "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist()}
+    if self.draft_seconds is not None:
+      meta["draft_seconds"] = self.draft_seconds.tolist()
+    schedules.save_sps(path, (self.batch_tokens.tolist(), self.steps_per_second.tolist()), meta)
 
 
 def _check_batch_tokens(batch_tokens) -> np.ndarray:
@@ -131,11 +141,47 @@ def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: i
   return lambda: jax.block_until_ready(compiled(target_state, cache))
 
 
+def _timed_drafts(target_def, target_state, draft_def, draft_state, rows: int, context: int,
+                  steps: int):
+  """A compiled thunk running `steps` draft forwards of `rows` rows anchored at `context`."""
+  draft = nnx.merge(draft_def, draft_state)
+  anchor = jnp.zeros((rows,), jnp.int32)
+  anchor_pos = jnp.full((rows,), context, jnp.int32)
+  gamma = draft.config.gamma
+  context_cache = draft.init_context(rows, tm.cache_slots(context + 2 * (gamma + 1)))
+
+  @jax.jit
+  def run(t_state, d_state, context_cache):
+    target, draft = nnx.merge(target_def, t_state), nnx.merge(draft_def, d_state)
+
+    def body(i, total):
+      token = (anchor + i) % target.config.vocab_size           # varies: nothing hoisted out
+      base, _ = draft(target, token, anchor_pos, context_cache)
+      return total + base[:, 0, 0].astype(jnp.float32).sum()
+
+    return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+
+  compiled = run.lower(target_state, draft_state, context_cache).compile()
+  return lambda: jax.block_until_ready(compiled(target_state, draft_state, context_cache))
+
+
+def _samples(call, repeats: int, warmup: int) -> list[float]:
+  """`repeats` timed calls of `call` (seconds each) after `warmup` untimed ones."""
+  for _ in range(warmup):
+    call()
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    call()
+    samples.append(time.perf_counter() - start)
+  return samples
+
+
 def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
                 batch_size: int | None = None, batch_tokens: Sequence[int] | None = None,
                 context: int = 1024,
                 gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
-                path: str | os.PathLike | None = None) -> SpsProfile:
+                path: str | os.PathLike | None = None, draft_cost: bool = False) -> SpsProfile:
   """Measures the target's verify steps per second at each verify batch size (module docstring).
 
   Args:
@@ -149,6 +195,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     repeats: timed samples per size (the median is kept). warmup: untimed samples first.
     steps: forwards per sample, back to back in one compiled loop.
     path: if given, the table is saved there as JSON (`SpsProfile.save`).
+    draft_cost: also time the draft forward of each size's rows and fold it in: the rates are
+      rounds per second, ``1 / (verify + draft forward)`` (module docstring). Needs `draft`.
 
   Returns:
     An `SpsProfile`; `SpsProfile.dense` is the dense ``sps`` the schedules take (a saved file
@@ -173,6 +221,10 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   gamma = validation.check_positive_int("gamma", gamma)
   if draft is not None and draft.config.gamma != gamma:
     raise ValueError(f"gamma: {gamma}, but the draft drafts γ = {draft.config.gamma}")
+  if not isinstance(draft_cost, (bool, np.bool_)):
+    raise ValueError(f"draft_cost: expected a bool, got {draft_cost!r}")
+  if draft_cost and draft is None:
+    raise ValueError("draft_cost: needs the draft whose forward it times")
   if batch_tokens is None:
     batch_size = validation.check_positive_int("batch_size", 8 if batch_size is None
                                                else batch_size)
@@ -185,19 +237,24 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   measured = {}
   for n_rows, n in zip(rows, sizes):
     call = _timed_forwards(target_def, target_state, int(n_rows), int(n), context, gamma, steps)
-    for _ in range(warmup):
-      call()
-    samples = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      call()
-      samples.append(time.perf_counter() - start)
-    measured[int(n)] = samples
+    measured[int(n)] = _samples(call, repeats, warmup)
   seconds = np.array([measured[int(n)] for n in sizes], np.float64)
+  per_verify = np.median(seconds, axis=1) / steps
+  draft_seconds = None
+  if draft_cost:
+    draft_def, draft_state = nnx.split(draft)
+    by_rows = {}
+    for n_rows in sorted(set(int(r) for r in rows)):
+      call = _timed_drafts(target_def, target_state, draft_def, draft_state, n_rows, context,
+                           steps)
+      by_rows[n_rows] = float(np.median(_samples(call, repeats, warmup))) / steps
+    draft_seconds = np.array([by_rows[int(r)] for r in rows], np.float64)
+    per_verify = per_verify + draft_seconds
   profile = SpsProfile(
-      batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=rows,
+      batch_tokens=sizes, steps_per_second=1.0 / per_verify, rows=rows,
       seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      draft_seconds=draft_seconds)
   if path is not None:
     profile.save(path)
   return profile
