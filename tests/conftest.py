@@ -1,4 +1,3 @@
-import collections
 import os
 
 import pytest
@@ -23,17 +22,12 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 
 
 def pytest_collection_modifyitems(config, items):
-  """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Files with more slow tests
-  (a notebook weighs as five) run first, the order within a file kept, so that pytest-xdist's
-  workers, which take whole files, start the long ones early and finish together. Tests marked
-  `gpu` are skipped unless JAX's default backend is a GPU."""
+  """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
+  skipped unless JAX's default backend is a GPU. (Which worker takes which file is pytest-xdist's
+  choice: ``--dist loadfile`` hands out whole files, most tests first.)"""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
-  weight = collections.Counter()
-  for item in items:
-    weight[item.path] += 5 if item.path.suffix == ".ipynb" else bool(item.get_closest_marker("slow"))
-  items.sort(key=lambda item: -weight[item.path])
   gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
   if not gpu_items:
     return
