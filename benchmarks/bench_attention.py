@@ -20,7 +20,7 @@ Forms:
 * ``cudnn_cut``: `attention.attend_cudnn` over the cut cache, where it runs (else n/a).
 
 Each form's output of one call is compared with ``xla_full``'s (max relative error). The floor is
-the KV bytes a call must read, ``2·B·K·L·D·2`` (keys and values, bf16), times 36, at 4.27 TB/s.
+the KV bytes a call must read, ``2·B·K·L·D·2`` (keys and values, bf16), times 36, at this device's measured copy rate (`harness.floor_bandwidth`).
 
   PYTHONPATH=. python -m benchmarks.bench_attention [--quick] [--sweep] [--out PATH]
 """
@@ -46,7 +46,6 @@ from dspark_jax.kernels import ragged_attention as ra
 LAYERS = 36
 SETS = 4
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-BANDWIDTH = harness.SPEC_COPY_RATE
 BUDGET_S = 210.0  # no new shape starts after this many seconds (the whole run stays < 4 min)
 
 
@@ -83,7 +82,7 @@ def forms(length: int, slots: int, variants) -> dict:
 
 
 def floor_ms(batch: int, length: int) -> float:
-  return LAYERS * 2 * batch * KV_HEADS * length * HEAD_DIM * 2 / BANDWIDTH * 1e3
+  return LAYERS * 2 * batch * KV_HEADS * length * HEAD_DIM * 2 / harness.floor_bandwidth()[0] * 1e3
 
 
 def rel_err(out, ref) -> float:
@@ -237,7 +236,8 @@ def main():
       ms = row.get("ms", {}).get(name)
       cells.append("n/a" if ms is None else f"{ms:.3f} ({ms / row['floor_ms']:.2f})")
     table.append(cells)
-  print(f"\n{LAYERS} attention calls per sample, ms (x KV floor at {BANDWIDTH / 1e12:.2f} TB/s), "
+  print(f"\n{LAYERS} attention calls per sample, ms (x KV floor at "
+        f"{harness.floor_bandwidth()[0] / 1e12:.2f} TB/s, {meta['device_kind']}), "
         f"{time.perf_counter() - begin:.0f} s in all")
   for line in harness.format_table(header, table):
     print(line)

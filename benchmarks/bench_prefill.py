@@ -10,8 +10,9 @@ For every (B, length) and every ``--chunks`` entry (``whole``: one pass) it repo
 * ms per prefill, the median of ``--repeats`` samples after ``--warmup``, every chunk size of a cell
   timed side by side in one loop (`harness.time_side_by_side`);
 * the compiled program's scratch memory (XLA's `memory_analysis`: temporaries, not the caches);
-* the floor: the larger of the weights read once at `harness.floor_bandwidth` and 2 FLOPs per
-  target parameter per prompt token at this run's matrix rate.
+* the floor: the larger of the weights read once at `harness.floor_bandwidth` and the FLOPs at
+  this run's matrix rate: 2 per target parameter per prompt token plus the causal attention's
+  ``4·layers·B·N·D·T(T+1)/2`` (the scores and the weighted values of each query over its prefix).
 
 A cell whose compile or run fails (e.g. out of memory) reports the error and the others still run;
 the exit status is 1 if a chunked cell failed (a whole-prompt pass may run out of memory: that is
@@ -90,10 +91,18 @@ def program(target, draft, batch: int, length: int, chunk: int | None):
   return (lambda: compiled(t_state, d_state, prompt, lens)), temp
 
 
+def attention_flops(config, batch: int, length: int) -> float:
+  """FLOPs of the causal attention of a [batch, length] prompt: per layer, query head and query
+  t, 2·D for each of its t + 1 scores and 2·D for each weighted value."""
+  shape = config.layer
+  return (4 * config.num_layers * batch * shape.num_heads * shape.head_dim
+          * length * (length + 1) / 2)
+
+
 def floor_ms(target, batch: int, length: int, bandwidth: float, rate: float) -> float:
   params = bench_decode._elements(nnx.state(target))
-  return max(harness.nbytes(nnx.state(target)) / bandwidth,
-             2 * params * batch * length / rate) * 1e3
+  flops = 2 * params * batch * length + attention_flops(target.config, batch, length)
+  return max(harness.nbytes(nnx.state(target)) / bandwidth, flops / rate) * 1e3
 
 
 def main(argv=None) -> int:

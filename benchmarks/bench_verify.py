@@ -7,7 +7,9 @@ row holding ``--context`` real tokens.
   as the decoding loops allocate, `models.target.cache_slots`): the autoregressive
   step (one token per row) and the dense verify (γ + 1 tokens per row) over a KV cache of each
   capacity; the ratio of the largest capacity's time to the smallest's is the padding cost (1.0:
-  the cost follows the rows' context, not the cache).
+  the cost follows the rows' context, not the cache). A cache that would not fit the device's
+  free memory at a batch size is replaced by the largest that does (`fitting_capacity`; the table
+  names the capacity measured).
 * **Tokens per row** (``--tokens``, default 1..γ + 1), in a cache of the smallest capacity: the
   dense call on [B, k] tokens, and the packed verify (`decoding.packing.packed_verify`) of k
   tokens of every row of a [B, γ + 1] block, packed into a bucket of exactly B·k tokens; the ratio
@@ -79,6 +81,17 @@ def call_floor(target, batch: int, slots: int, tokens: int, bandwidth: float, ra
              2 * params * batch * tokens / rate)
 
 
+def fitting_capacity(target, batch: int, wanted: int, share: float = 0.8) -> int:
+  """`wanted`, or the largest multiple of 64 slots whose [B]-row cache takes at most `share` of
+  the device memory still free (where the device reports it): a cell that does not fit is
+  measured at the largest capacity that does, never left to run out of memory."""
+  free = harness.free_device_bytes()
+  if free is None:
+    return wanted
+  per_slot = harness.nbytes(jax.eval_shape(lambda: tm.init_cache(target.config, batch, 64))) / 64
+  return min(wanted, int(free * share / per_slot) // 64 * 64)
+
+
 def timer(target, batch: int, context: int, capacity: int, width: int, tokens: int, packed: bool,
           args):
   """Seconds per call: `tokens` tokens per row at positions ``context ..``, dense or packed."""
@@ -121,16 +134,19 @@ def main(argv=None) -> int:
   padding, sweep = [], []
   for batch in args.batches:
     if "padding" not in skip:
+      lo, hi = args.capacities[0], fitting_capacity(target, batch, args.capacities[-1])
+      if hi < args.capacities[-1]:
+        print(f"  B={batch}: {args.capacities[-1]} slots do not fit this device's free memory; "
+              f"the largest cache measured is {hi} slots", flush=True)
       for name, tokens in (("AR step", 1), (f"verify {width}", width)):
         ms = {}
-        for capacity in args.capacities:
+        for capacity in sorted({lo, hi}):
           ms[capacity] = timer(target, batch, args.context, capacity, width, tokens, False,
                                args) * 1e3
           print(f"  B={batch} {name} {capacity} slots: {ms[capacity]:.3f} ms", flush=True)
         floor = call_floor(target, batch, args.context + tokens, tokens, bandwidth, rate) * 1e3
-        lo, hi = args.capacities[0], args.capacities[-1]
         padding.append({"batch": batch, "call": name, "ms": ms, "floor_ms": floor,
-                        "padding_cost": ms[hi] / ms[lo]})
+                        "smallest": lo, "largest": hi, "padding_cost": ms[hi] / ms[lo]})
     if "tokens" not in skip:
       for tokens in args.tokens:
         dense = timer(target, batch, args.context, args.capacities[0], width, tokens, False,
@@ -142,15 +158,15 @@ def main(argv=None) -> int:
               f"(floor {floor:.3f})", flush=True)
         sweep.append({"batch": batch, "tokens": tokens, "dense_ms": dense, "packed_ms": packed,
                       "floor_ms": floor})
-  rows = [[str(r["batch"]), r["call"]] + [f"{r['ms'][c]:.3f}" for c in args.capacities]
-          + [f"{r['padding_cost']:.2f}", f"{min(r['ms'].values()) / r['floor_ms']:.2f}"]
-          for r in padding]
+  rows = [[str(r["batch"]), r["call"], f"{r['ms'][r['smallest']]:.3f}",
+           f"{r['ms'][r['largest']]:.3f} ({r['largest']})", f"{r['padding_cost']:.2f}",
+           f"{min(r['ms'].values()) / r['floor_ms']:.2f}"] for r in padding]
   rows += [[str(r["batch"]), f"{r['tokens']} tok/row dense | packed",
             f"{r['dense_ms']:.3f}", f"{r['packed_ms']:.3f}",
             f"{r['packed_ms'] / r['dense_ms']:.2f}", f"{r['dense_ms'] / r['floor_ms']:.2f}"]
            for r in sweep]
-  header = (["B", "call"] + [f"{c} slots ms" for c in args.capacities]
-            + ["largest / smallest", "× floor"])
+  header = ["B", "call", f"{args.capacities[0]} slots ms", "largest ms (slots)",
+            "largest / smallest", "× floor"]
   title = (f"bench_verify ({meta['device_kind']}, context {args.context}, γ = {args.gamma}; "
            f"padding rows: ms per call at each cache size; token rows: dense ms, packed ms, "
            f"packed / dense, dense × floor)")

@@ -11,11 +11,11 @@ interleaved (the order rotating each repeat), so a ratio of two medians is not a
 under different clocks, temperatures or neighbours.
 
 Floor (`floor_bandwidth`, `sampler_floor_seconds`): a memory-bound program cannot beat the bytes it
-must move divided by the device's bandwidth. On a GPU the bandwidth is SPEC §9's copy rate on the
-H200, 4.27 TB/s (the yardstick of the issues; this run's copy rate is recorded beside it); elsewhere
-it is this run's best streaming copy (read + write counted). A compute-bound program cannot beat its
-FLOPs divided by this run's bf16 matrix rate (`matmul_rate`: a large bf16 product, measured once per
-run). On a CPU the ×floor columns say little.
+must move divided by the device's bandwidth: this run's best streaming copy on this device (read +
+write counted; an H100 80 GB copies ~2.96 TB/s, an H200 ~4.27). A compute-bound program cannot beat
+its FLOPs divided by this run's bf16 matrix rate (`matmul_rate`: a large bf16 product, measured once
+per run). No card's rate is written into the code: every floor is the card's own, and `start_run`
+prints the device beside both rates. On a CPU the ×floor columns say little.
 
 Record (`metadata`): device, platform, jax version, Python, UTC date, git commit (``$GIT_COMMIT``
 where the tree has no ``.git``, e.g. on the device machine), and ``$DSPARK_JAX_BACKEND``.
@@ -44,8 +44,6 @@ import numpy as np
 
 from dspark_jax.kernels import dispatch
 
-SPEC_COPY_RATE = 4.27e12
-"""Bytes/s: SPEC §9's measured H200 copy rate, the denominator of every floor on a GPU."""
 PIPELINE_CALLS = 50
 """Back-to-back calls per sample where device time is wanted. A burst costs the H200 ~0.3 ms of
 idling until the host has dispatched the first calls (BENCHMARKS.md, issue 6, session 8); 50 calls
@@ -92,15 +90,19 @@ def describe_run(meta: dict) -> str:
 
 
 def start_run(args: argparse.Namespace, **extra) -> tuple[dict, float]:
-  """Records and prints the run (`metadata` with the common arguments and `extra`), measures the
-  bandwidth; returns ``(meta, bandwidth the floors use)``."""
+  """Records and prints the run (`metadata` with the common arguments and `extra`), measures this
+  device's copy and bf16 matrix rates (printed beside the device's name); returns ``(meta,
+  bandwidth the floors use)``."""
   meta = metadata(repeats=args.repeats, warmup=args.warmup, backend=getattr(args, "backend", None),
                   config=getattr(args, "config", ""), small=args.small, **extra)
   print(describe_run(meta), flush=True)
-  bandwidth, measured = floor_bandwidth(args.small)
-  meta.update(floor_bandwidth_gbs=bandwidth / 1e9, copy_bandwidth_gbs=measured / 1e9)
-  print(f"floors at {bandwidth / 1e9:.1f} GB/s (this run's copy rate: {measured / 1e9:.1f} GB/s); "
-        f"median of {args.repeats} samples after {args.warmup} warm-up calls", flush=True)
+  bandwidth, _ = floor_bandwidth(args.small)
+  rate = matmul_rate(args.small)
+  meta.update(floor_bandwidth_gbs=bandwidth / 1e9, copy_bandwidth_gbs=bandwidth / 1e9,
+              matmul_tflops=rate / 1e12)
+  print(f"floors from this device ({meta['device_kind']}): copy {bandwidth / 1e9:.1f} GB/s, bf16 "
+        f"matmul {rate / 1e12:.1f} TFLOP/s; median of {args.repeats} samples after {args.warmup} "
+        "warm-up calls", flush=True)
   return meta, bandwidth
 
 
@@ -181,12 +183,12 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def floor_bandwidth(small: bool = False) -> tuple[float, float]:
-  """``(bandwidth the floors use, this run's copy rate)`` in bytes/s: SPEC §9's rate on a GPU,
-  the measured rate elsewhere."""
+  """``(bandwidth the floors use, this run's copy rate)`` in bytes/s: both this device's measured
+  copy rate (the pair is kept for the callers that record both)."""
   platform = jax.local_devices()[0].platform
   nbytes = SMALL_COPY_BYTES if small else COPY_BYTES.get(platform, COPY_BYTES["gpu"])
   measured = copy_bandwidth(nbytes)
-  return (SPEC_COPY_RATE if platform == "gpu" else measured), measured
+  return measured, measured
 
 
 @functools.cache
@@ -212,6 +214,15 @@ def sampler_floor_seconds(vocab: int, batch: int, gamma: int, rank: int, itemsiz
   """HBM floor of a folded block: per step read W2 [r, V] and the base logits, write the
   corrected logits: ``γ·(r·V + 2·B·V)·itemsize / bandwidth``."""
   return gamma * (rank * vocab + 2 * batch * vocab) * itemsize / bandwidth
+
+
+def free_device_bytes() -> int | None:
+  """Bytes the first device's allocator can still hand out (its limit less what is in use), or
+  None where the device reports no memory statistics (the CPU)."""
+  stats = jax.local_devices()[0].memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 def nbytes(tree) -> int:

@@ -4,8 +4,9 @@ Each step runs as a subprocess from the repository root (``PYTHONPATH`` set to i
 ``dspark_jax`` is used, not an installed one) with a timeout; its output goes to
 ``$OUT/<n>_<step>.log`` (``$OUT`` defaults to ``./gpu_check_out``). Steps, in order:
 
-  device   JAX's devices and the dispatch table; on the GPU run the first device must be a GPU
-           (else nothing else runs).
+  device   JAX's devices, this device's measured copy rate, bf16 matrix rate and free memory
+           (the figures every floor of the benchmarks uses), and the dispatch table; on the GPU
+           run the first device must be a GPU (else nothing else runs).
   tests    ``pytest -q -x`` on `TESTS` with ``-m "kernel or gpu"`` (`TEST_MARKS`); on the GPU with
            ``JAX_PLATFORMS=cuda``,
            ``DSPARK_TEST_GPU=1`` (tests/conftest.py otherwise pins the CPU) and no preallocation
@@ -101,7 +102,9 @@ def _check_device(cpu: bool):
     line = _last_line_with(log, "platform:")
     platform = line.split("platform:")[-1].split()[0] if line else "?"
     ok = platform == ("cpu" if cpu else "gpu")
-    return ok, line or "no platform line"
+    rates = _last_line_with(log, "GB/s", "TFLOP/s")
+    return ok, ((line.split("platform:")[-1].strip() + "; " + rates) if line and rates
+                else line or "no platform line")
   return check
 
 
@@ -177,9 +180,12 @@ def steps(args, out: str) -> list[Step]:
   # workers (pyproject's addopts) share the GPU, so none may take most of its memory up front.
   test_env = {} if smoke else {"DSPARK_TEST_GPU": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   cli = [py, "-m", "dspark_jax.apps.cli"]
-  probe = ("import jax; from dspark_jax.kernels import dispatch; d = jax.devices()[0]; "
-           "print(jax.devices()); print('jax', jax.__version__, 'platform:', d.platform, "
-           "d.device_kind); print(dispatch.table())")
+  probe = ("import jax; from dspark_jax.kernels import dispatch; from benchmarks import harness; "
+           "d = jax.devices()[0]; print(jax.devices()); print('jax', jax.__version__, 'platform:', "
+           f"d.platform, d.device_kind); free = harness.free_device_bytes(); small = {smoke}; "
+           "print(f'copy {harness.floor_bandwidth(small)[0] / 1e9:.0f} GB/s, bf16 matmul "
+           "{harness.matmul_rate(small) / 1e12:.1f} TFLOP/s, free memory ' + "
+           "('n/a' if free is None else f'{free / 2**30:.1f} GiB')); print(dispatch.table())")
   eval_dir = os.path.join(out, "eval")
   sampler_json = os.path.join(out, "bench_sampler.json")
   decode_json = os.path.join(out, "bench_decode.json")

@@ -9,6 +9,9 @@ if os.environ.get("DSPARK_TEST_GPU") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:  # pytest's workers (pytest-xdist) share the GPU: none may take most of its memory up front
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # float32 products at full precision, as on the CPU: a GPU's default is TF32 (~1e-3 relative),
+  # which the float32 equality tests' tolerances (1e-5) are not derived from.
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Eight CPU devices, for the sharding tests (tests/test_sharding.py); every other test runs on the
 # first, as before. Set before JAX is imported (XLA reads it when the CPU client starts).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

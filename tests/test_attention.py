@@ -199,3 +199,56 @@ def test_cache_attention_through_the_ragged_kernel_equals_the_xla_form(monkeypat
             attention.attend_cached(q, cache_k, cache_v, prefix, block_k, block_v, block_mask))
   for out, ref in zip(outs, refs):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("groups,dtype,slots", [(2, jnp.float32, 100), (4, jnp.bfloat16, 96)])
+def test_flash_form_equals_the_masked_form_at_every_tile_edge(groups, dtype, slots):
+  """`attend_flash` (tiles of 16 queries, steps of 32 slots; S = 100 makes the last step overlap
+  the one before) against `attend_xla`: a causal prefill from 0, a chunk starting mid-cache, a
+  row at a step edge, nothing, the whole cache and random limits; large garbage past each row's
+  longest limit."""
+  rng = np.random.default_rng(groups)
+  b, t, k, d = 6, 40, 2, 16
+  q = jnp.asarray(rng.normal(size=(b, t, k * groups, d)), dtype)
+  keys, values = (rng.normal(size=(b, k, slots, d)) for _ in range(2))
+  limits = np.stack([np.arange(t) + 1, 50 + np.arange(t) + 1, np.full(t, 32), np.zeros(t),
+                     np.full(t, slots), rng.integers(0, slots + 1, t)])
+  limits = jnp.asarray(np.minimum(limits, slots), jnp.int32)
+  past = np.arange(slots)[None, None, :, None] >= np.asarray(limits).max(1)[:, None, None, None]
+  dirty_k, dirty_v = (jnp.asarray(np.where(past, 1e4 * rng.normal(size=x.shape), x), dtype)
+                      for x in (keys, values))
+  clean_k, clean_v = (jnp.asarray(x, dtype) for x in (keys, values))
+  with jax.default_matmul_precision("highest"):
+    ref = np.asarray(attention.attend_xla(q, clean_k, clean_v, jnp.arange(slots)[None, None]
+                                          < limits[:, :, None]), np.float32)
+    out = np.asarray(attention.attend_flash(q, dirty_k, dirty_v, limits, query_tile=16,
+                                            kv_chunk=32), np.float32)
+  tol = 1e-5 if dtype == jnp.float32 else 4 * 2.0**-8 * np.abs(ref).max()
+  np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-5)
+  assert np.all(out[np.asarray(limits) == 0] == 0)
+
+
+def test_a_long_chunk_of_queries_holds_one_tile_of_scores_not_t_by_s():
+  """Witness: XLA's `memory_analysis` of `attend_limited` with T = 512 queries over S = 4096
+  slots (B = 1, N = 4, float32) on the einsum path. The [N, T, S] float32 scores alone are
+  32 MiB; the flash form's scratch must stay within 4 tiles of [N, 128, 512] scores (4 MiB),
+  while the cut-cache form (forced by raising the threshold) needs all of them."""
+  b, t, s, n, k, d = 1, 512, 4096, 4, 2, 16
+  args = (jax.ShapeDtypeStruct((b, t, n, d), jnp.float32),
+          jax.ShapeDtypeStruct((b, k, s, d), jnp.float32),
+          jax.ShapeDtypeStruct((b, k, s, d), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.int32))
+
+  def scratch():
+    compiled = jax.jit(lambda *a: attention.attend_limited(*a)).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  tile_bytes = b * n * attention.FLASH_QUERY_TILE * attention.FLASH_KV_CHUNK * 4
+  assert t > attention.FLASH_MIN_QUERIES
+  assert scratch() <= 4 * tile_bytes
+  scores_bytes = b * n * t * s * 4
+  original = attention.FLASH_MIN_QUERIES
+  try:
+    attention.FLASH_MIN_QUERIES = t   # the cut-cache form: the power check of the witness
+    assert scratch() >= scores_bytes
+  finally:
+    attention.FLASH_MIN_QUERIES = original

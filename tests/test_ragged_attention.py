@@ -144,7 +144,7 @@ def test_output_and_lse_match_a_float64_reference():
     (dict(n=5), "not a multiple of kv heads"),
     (dict(k_dtype=jnp.float16), "dtypes differ"),
     (dict(dtype=jnp.int32), "is not bfloat16, float16 or float32"),
-    (dict(t=80), "exceeds 128"),
+    (dict(n=258, heads=2), "exceed the query tile's 128 rows"),
     (dict(block_kv=24), "block_kv=24 is not a power of two"),
 ])
 def test_failed_preconditions_are_named(change, message):
@@ -160,12 +160,37 @@ def test_failed_preconditions_are_named(change, message):
     ra.ragged_attention(q, k, k, limits, block_kv=shape["block_kv"], interpret=True)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("groups,t,dtype", [(4, 40, jnp.float32), (3, 50, jnp.bfloat16)])
+def test_query_tiles_equal_the_xla_form_on_a_causal_prefill_and_any_limits(groups, t, dtype):
+  """More queries than one tile holds (T·G > 128): tiles of 128 // G queries, the last one short;
+  rows of a causal chunk at two starts, nothing, the whole cache and random limits; garbage past
+  each row's longest limit."""
+  assert ra.query_tiling(t, groups)[1] == 2
+  slots = 96
+  rng, q, k, v = _inputs(12, 5, t, 2 * groups, 2, 16, slots, dtype)
+  limits = np.stack([np.arange(t) + 1, 40 + np.arange(t) + 1, np.zeros(t), np.full(t, slots),
+                     rng.integers(0, slots + 1, t)])
+  limits = jnp.asarray(limits, jnp.int32)
+  out, lse = _check_against_xla(q, k, v, limits, block_kv=16)
+  dirty = ra.ragged_attention(q, _with_garbage(k, limits, np.nan), _with_garbage(v, limits, np.inf),
+                              limits, block_kv=16, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(dirty[0], np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(dirty[1]), np.asarray(lse))
+  with pytest.raises(ValueError, match="tiles take one split"):
+    ra.ragged_attention(q, k, v, limits, block_kv=16, splits=2, interpret=True)
+
+
 def test_preconditions_hold_for_the_model_shapes():
   for t in (1, 7, 8):
     q = jax.ShapeDtypeStruct((64, t, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((64, 8, 8256, 128), jnp.bfloat16)
     assert ra.precondition(q, k, k, block_kv=64) is None
   assert ra.query_rows(1, 4) == 16 and ra.query_rows(7, 4) == 32 and ra.query_rows(8, 8) == 64
+  assert ra.query_tiling(8, 4) == (8, 1) and ra.query_tiling(4096, 4) == (32, 128)
+  assert ra.query_tiling(100, 5) == (25, 4)
+  prefill = jax.ShapeDtypeStruct((64, 4096, 32, 128), jnp.bfloat16)
+  assert ra.precondition(prefill, k, k, block_kv=64) is None
   assert ra.default_splits(1, 8, 8320, 64) == 17 and ra.default_splits(64, 8, 8320, 64) == 1
   assert ra.default_splits(1, 1, 64, 16) == 4   # at most one split per KV block
 

@@ -218,18 +218,110 @@ def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
   ``s < limits[b, t]`` ([B, T] int) -> [B, T, N, D].
 
   The same function as `attend` with the mask ``slot < limit``, but the work follows the real
-  context, not S: the cache is cut to the smallest of a few static lengths covering the longest
-  row (`over_cut_cache`). Slots at or past a query's limit are never read into its result,
-  whatever they hold. A query with limit 0 gets zeros.
+  context, not S: on a GPU the ``ragged`` kernel reads each row's blocks up to its limits (in
+  query tiles where T is large: a flash-attention prefill); elsewhere, up to `FLASH_MIN_QUERIES`
+  queries per row, the cache is cut to the smallest of a few static lengths covering the longest
+  row (`over_cut_cache`), and more queries (a prefill) take `attend_flash`, whose scratch is one
+  tile of scores. Slots at or past a query's limit are never read into its result, whatever they
+  hold. A query with limit 0 gets zeros.
   """
   limits = limits.astype(jnp.int32)
   chosen = choose_cached(q, k, implementation)
   if chosen == "ragged":
     from dspark_jax.kernels import ragged_attention
     return ragged_attention.ragged_attention(q, k.astype(q.dtype), v.astype(q.dtype), limits)[0]
+  form = masked_form(chosen, q.shape[1])
+  if form is attend_flash:     # walks the cache up to each tile's limits itself
+    return attend_flash(q, k, v, limits)
+  return over_cut_cache(form, q, k, v, limits)
+
+
+FLASH_MIN_QUERIES = 64
+"""Queries per row from which the einsum form runs as `attend_flash` (a prefill chunk) rather than
+over a cut cache: with more, the [B, N, T, S] scores of the cut form would dominate memory."""
+FLASH_QUERY_TILE = 128
+"""Queries per tile of `attend_flash`."""
+FLASH_KV_CHUNK = 512
+"""Cache slots per step of `attend_flash`'s online softmax."""
+
+
+def masked_form(chosen: str, queries: int):
+  """The non-kernel form ``fn(q, k, v, limits)`` of `attend_limited` for `chosen` ("cudnn" or
+  "xla") and T = `queries`, over the cache it is given (uncut): `attend_flash` for a long chunk
+  of queries on the einsum path, else `attend_cudnn` / `attend_xla` with the mask
+  ``slot < limit``."""
+  if chosen != "cudnn" and queries > FLASH_MIN_QUERIES:
+    return attend_flash
   form = attend_cudnn if chosen == "cudnn" else attend_xla
-  return over_cut_cache(lambda q, k, v, lim: form(q, k, v, _limit_mask(lim, k.shape[2])),
-                        q, k, v, limits)
+  return lambda q, k, v, limits: form(q, k, v, _limit_mask(limits, k.shape[2]))
+
+
+def attend_flash(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array, *,
+                 query_tile: int = FLASH_QUERY_TILE, kv_chunk: int = FLASH_KV_CHUNK) -> jax.Array:
+  """`attend_limited`'s function in plain XLA with an online softmax: flash attention in einsums.
+
+  The queries run in tiles of `query_tile` (one after another, `lax.map`); each tile walks the
+  cache in steps of `kv_chunk` slots up to its own queries' longest limit (a `lax.fori_loop` with
+  a dynamic trip count), keeping a running maximum, sum and float32 output. So the scratch memory
+  holds one [B, N, query_tile, kv_chunk] tile of float32 scores, never [B, N, T, S], and a causal
+  chunk's early tiles stop at their diagonal. Scores and softmax in float32, the probabilities
+  rounded to the value dtype before the second product, as in `attend_xla`; slots at or past a
+  query's limit never reach its result, whatever they hold; a query with limit 0 gets zeros.
+
+  Args:
+    q: [B, T, N, D]. k, v: head-major [B, K, S, D]. limits: [B, T] int.
+    query_tile, kv_chunk: tile sizes (static), each clipped to T and S.
+
+  Returns:
+    [B, T, N, D] in q's dtype.
+  """
+  b, t, n, d = q.shape
+  heads, slots = k.shape[1], k.shape[2]
+  groups = n // heads
+  tile = min(query_tile, t)
+  tiles = -(-t // tile)
+  chunk = min(kv_chunk, slots)
+  pad = tiles * tile - t
+  limits = jnp.clip(limits.astype(jnp.int32), 0, slots)
+  q_tiles = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, tiles, tile, heads, groups, d)
+  lim_tiles = jnp.pad(limits, ((0, 0), (0, pad))).reshape(b, tiles, tile)
+  scale = 1.0 / jnp.sqrt(jnp.float32(d))
+  lanes = jnp.arange(chunk, dtype=jnp.int32)
+
+  def one_tile(args):
+    qt, lim = args                                   # [B, tile, K, G, D], [B, tile]
+    steps = (jnp.max(lim) + chunk - 1) // chunk
+
+    def step(j, carry):
+      m, l, acc = carry
+      first = jnp.minimum(j * chunk, slots - chunk)  # the last step may overlap the one before
+      keys = jax.lax.dynamic_slice_in_dim(k, first, chunk, axis=2)
+      values = jax.lax.dynamic_slice_in_dim(v, first, chunk, axis=2)
+      where = first + lanes                          # slots of this step
+      fresh = where >= j * chunk                     # an overlapped slot was counted already
+      seen = fresh[None, None, :] & (where[None, None, :] < lim[:, :, None])   # [B, tile, C]
+      scores = jnp.einsum("btkgd,bkcd->bkgtc", qt, keys.astype(qt.dtype),
+                          preferred_element_type=jnp.float32) * scale
+      scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+      shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.where(seen[:, None, None], jnp.exp(scores - shift[..., None]), 0.0)
+      alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - shift), 0.0)
+      values = jnp.where(fresh[None, None, :, None], values, jnp.zeros((), values.dtype))
+      o = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v.dtype), values,
+                     preferred_element_type=jnp.float32)
+      return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + o
+
+    init = (jnp.full((b, heads, groups, tile), -jnp.inf, jnp.float32),
+            jnp.zeros((b, heads, groups, tile), jnp.float32),
+            jnp.zeros((b, heads, groups, tile, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, steps, step, init)
+    some = l > 0
+    out = jnp.where(some[..., None], acc / jnp.where(some, l, 1.0)[..., None], 0.0)
+    return jnp.moveaxis(out, 3, 1).reshape(b, tile, n, d).astype(q.dtype)   # [B, tile, N, D]
+
+  out = jax.lax.map(one_tile, (jnp.moveaxis(q_tiles, 1, 0), jnp.moveaxis(lim_tiles, 1, 0)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, tiles * tile, n, d)[:, :t]
 
 
 def _part(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):

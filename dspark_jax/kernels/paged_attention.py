@@ -107,9 +107,7 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.
   chosen = choose_paged(q, k_pool, table, implementation)
   if chosen == "ragged":
     return _kernel(q, k_pool, v_pool, table, limits)[0]
-  form = attention.attend_cudnn if chosen == "cudnn" else attention.attend_xla
-  return over_pages(lambda q, k, v, lim: form(q, k, v, attention._limit_mask(lim, k.shape[2])),
-                    q, k_pool, v_pool, table, limits)
+  return over_pages(attention.masked_form(chosen, q.shape[1]), q, k_pool, v_pool, table, limits)
 
 
 def attend_cached_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,

@@ -14,7 +14,12 @@ Layout and work split:
   unit's minimum height). The kernel gathers the tile from q [B, T, N, D] and the rows' limits
   from [B, T] itself (no rearranging pass in XLA); a padding row p >= T·G repeats row p mod T·G.
   One pass over a kv head's keys serves the whole group.
-* Split-K (flash decoding): the grid is (B, K, splits). Split i of row b takes the KV blocks
+* Query tiles (a prefill: many queries per row): where T·G exceeds `MAX_ROWS`, the queries are
+  split into tiles of ``MAX_ROWS // G`` queries (`query_tiling`) and the grid is (B, K, tiles),
+  one split each. A tile reads the KV blocks up to its own queries' longest limit, so a causal
+  prefill (limits = positions + 1) skips the blocks past its diagonal, and no instance holds more
+  than one [P, block_kv] tile of scores: flash attention over the cache, read in place.
+* Split-K (flash decoding): with one query tile, the grid is (B, K, splits). Split i of row b takes the KV blocks
   ``[i·n_b, (i+1)·n_b) ∩ [0, ceil(L_b / block_kv))`` with ``n_b = ceil(ceil(L_b / block_kv) /
   splits)``, so every split of a row gets an equal share of the row's real blocks whatever S is.
   With one split the kernel normalises and writes out and lse in place; with more, each split
@@ -49,12 +54,22 @@ DEFAULT_BLOCK_KV = 64
 SMS = 132           # streaming multiprocessors of an H200: the default split count fills them
 WAVES = 1           # instances per SM the default split count aims at
 DEFAULT_WARPS = 4
+TILED_WARPS = 4     # warps of an instance when the queries are split into tiles (a prefill)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def query_rows(t: int, groups: int) -> int:
   """P: the rows of one instance's query tile, T·G rounded up to a power of two >= 16."""
   return max(MIN_ROWS, 1 << max(t * groups - 1, 0).bit_length())
+
+
+def query_tiling(t: int, groups: int) -> tuple[int, int]:
+  """``(queries per tile, tiles)``: all T queries in one tile while ``query_rows(T, G) <=
+  MAX_ROWS``, else tiles of ``MAX_ROWS // G`` queries (the last one short)."""
+  if query_rows(t, groups) <= MAX_ROWS:
+    return t, 1
+  per_tile = MAX_ROWS // groups
+  return per_tile, -(-t // per_tile)
 
 
 def default_splits(batch: int, kv_heads: int, slots: int, block_kv: int) -> int:
@@ -83,8 +98,8 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV,
   page pools [num_pages, K, page_size, D]. Requires: those ranks and matching B and D; v shaped as
   k; N a multiple of K; D a power of two in 16..256; `block_kv` a power of two >= 16 dividing S
   (the page size, with a table); a page pool of fewer than 2^31 elements; q, k, v all of one
-  dtype among bfloat16, float16, float32; the query tile ``P = query_rows(T, N / K)`` at most
-  `MAX_ROWS`.
+  dtype among bfloat16, float16, float32; G = N / K at most `MAX_ROWS` (more queries than one
+  tile holds are split into query tiles, `query_tiling`).
   """
   paged = block_table is not None
   if q.ndim != 4 or k.ndim != 4:
@@ -120,10 +135,8 @@ def precondition(q, k, v=None, *, block_kv: int = DEFAULT_BLOCK_KV,
     return f"dtype {dtypes[0].name} is not bfloat16, float16 or float32"
   if any(x != dtypes[0] for x in dtypes):
     return f"q, k, v dtypes differ: {', '.join(x.name for x in dtypes)}"
-  rows = query_rows(t, n // heads)
-  if rows > MAX_ROWS:
-    return (f"query tile P={rows} (T={t} queries x G={n // heads} heads per kv head) exceeds "
-            f"{MAX_ROWS}")
+  if n // heads > MAX_ROWS:
+    return f"G={n // heads} query heads per kv head exceed the query tile's {MAX_ROWS} rows"
   return None
 
 
@@ -138,29 +151,32 @@ def _block_address(b, j, table_ref, block_kv: int, page_size: int, num_pages: in
   return jnp.clip(page, 0, num_pages - 1), first % page_size
 
 
-def _kernel(*refs, rows: int, groups: int, block_kv: int, splits: int, scale: float,
-            paged: bool):
-  """One (row b, kv head h, split) instance.
+def _kernel(*refs, rows: int, groups: int, per_tile: int, block_kv: int, splits: int,
+            scale: float, paged: bool):
+  """One (row b, kv head h, split or query tile) instance.
 
   Inputs (whole, indexed here): limits_ref [B, T] int32, with `paged` table_ref [B, M] int32,
   then q_ref [B, T, N, D], k_ref and v_ref [B, K, S, D] (with `paged`: page pools
-  [num_pages, K, page_size, D], the row's logical capacity being ``M·page_size``). Query row
-  p < T·G of the tile is query ``t = p // G`` of head ``h·G + p % G``; rows past T·G are padding,
-  computed as a copy of row ``p mod T·G`` (so a store of the whole tile writes each of those
-  addresses with one value).
+  [num_pages, K, page_size, D], the row's logical capacity being ``M·page_size``). The third grid
+  axis is the split (one query tile of all T queries) or, with ``splits == 1``, the query tile i
+  of `per_tile` queries. Query row p < per_tile·G of tile i is query ``t = i·per_tile + p // G``
+  of head ``h·G + p % G``; rows past per_tile·G, and queries past T in the last tile, are padding,
+  computed as a copy of a real row (so a store of the whole tile writes each of those addresses
+  with one value).
   Outputs: with one split, out_ref [B, T, N, D] (q's dtype) and lse_ref [B, T, N] float32, final;
   else the float32 partials m_ref, l_ref [B, K, splits, P] and acc_ref [B, K, splits, P, D].
   """
   limits_ref, *refs = refs
   table_ref = refs.pop(0) if paged else None
   q_ref, k_ref, v_ref, *out_refs = refs
-  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, h, third = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  split, tile = (third, 0) if splits > 1 else (0, third)
   t_count, d = q_ref.shape[1], q_ref.shape[3]
   page_size, num_pages = k_ref.shape[2], k_ref.shape[0]
   slots_total = table_ref.shape[1] * page_size if paged else page_size
   p = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-  source = p % (t_count * groups)      # a padding row repeats a real row: same inputs, same result
-  t = source // groups
+  source = p % (per_tile * groups)     # a padding row repeats a real row: same inputs, same result
+  t = jnp.minimum(tile * per_tile + source // groups, t_count - 1)
   head = h * groups + source % groups
   limits = limits_ref[b, t]
   limits = jnp.clip(limits, 0, slots_total)                  # [P]
@@ -259,8 +275,10 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
       `dspark_jax.paging.cache.check_table`).
     block_kv: slots per KV block (default 64; with a table `paged_block`); a power of two >= 16
       dividing S (the page size, with a table).
-    splits: instances per (row, kv head) sharing a row's blocks (default `default_splits`).
-    num_warps, num_stages: Triton compiler settings (None: `DEFAULT_WARPS`, `default_stages`).
+    splits: instances per (row, kv head) sharing a row's blocks (default `default_splits`; 1
+      where the queries are split into tiles, the only value allowed there).
+    num_warps, num_stages: Triton compiler settings (None: `DEFAULT_WARPS` (`TILED_WARPS` with
+      query tiles), `default_stages`).
     interpret: run in Pallas' interpreter (CPU).
 
   Returns:
@@ -282,14 +300,19 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
   if limits.shape != (b, t):
     raise ValueError(f"ragged_attention: limits shape {limits.shape} is not [B, T] = {(b, t)}")
   groups = n // heads
-  rows = query_rows(t, groups)
-  splits = splits or default_splits(b, heads, slots, block_kv)
-  num_warps = num_warps or DEFAULT_WARPS
+  per_tile, tiles = query_tiling(t, groups)
+  rows = query_rows(per_tile, groups)
+  if tiles > 1 and splits not in (None, 1):
+    raise ValueError(f"ragged_attention: splits={splits} with {tiles} query tiles (T={t} queries "
+                     f"x G={groups} heads exceed {MAX_ROWS} rows); tiles take one split")
+  splits = 1 if tiles > 1 else splits or default_splits(b, heads, slots, block_kv)
+  num_warps = num_warps or (TILED_WARPS if tiles > 1 else DEFAULT_WARPS)
   num_stages = num_stages or default_stages(block_kv)
   if splits < 1:
     raise ValueError(f"ragged_attention: splits={splits} is not positive")
-  kernel = functools.partial(_kernel, rows=rows, groups=groups, block_kv=block_kv, splits=splits,
-                             scale=1.0 / math.sqrt(d), paged=paged)
+  kernel = functools.partial(_kernel, rows=rows, groups=groups, per_tile=per_tile,
+                             block_kv=block_kv, splits=splits, scale=1.0 / math.sqrt(d),
+                             paged=paged)
   if splits == 1:
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
@@ -298,7 +321,7 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
     out_shape = [partial, partial, jax.ShapeDtypeStruct((b, heads, splits, rows, d), jnp.float32)]
   outs = pl.pallas_call(
       kernel,
-      grid=(b, heads, splits),
+      grid=(b, heads, splits if tiles == 1 else tiles),
       in_specs=[pl.no_block_spec] * (5 if paged else 4),
       out_specs=[pl.no_block_spec] * len(out_shape),
       out_shape=out_shape,
