@@ -54,7 +54,8 @@ DEFAULT_BLOCK_KV = 64
 SMS = 132           # streaming multiprocessors of an H200: the default split count fills them
 WAVES = 1           # instances per SM the default split count aims at
 DEFAULT_WARPS = 4
-TILED_WARPS = 4     # warps of an instance when the queries are split into tiles (a prefill)
+TILED_WARPS = 8     # warps of an instance when the queries are split into tiles (a prefill)
+TILED_BLOCK_KV = 128  # KV block of query tiles where it divides S (else DEFAULT_BLOCK_KV)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -82,6 +83,19 @@ def paged_block(page_size: int) -> int:
   """The default KV block over pages of `page_size` slots: the largest power of two <= 64
   (`DEFAULT_BLOCK_KV`) dividing it (at least 16 where the page size is a multiple of 16)."""
   return min(DEFAULT_BLOCK_KV, page_size & -page_size)
+
+
+def default_block(q, k, paged: bool) -> int:
+  """The default KV block: `paged_block` of the page size with a table; `TILED_BLOCK_KV` where
+  the queries are split into tiles (a prefill: larger blocks keep the matrix units busy) and it
+  divides S; else `DEFAULT_BLOCK_KV`."""
+  if paged:
+    return paged_block(k.shape[2])
+  if (q.ndim == 4 and k.ndim == 4 and k.shape[1] and q.shape[2] % k.shape[1] == 0
+      and query_tiling(q.shape[1], q.shape[2] // k.shape[1])[1] > 1
+      and k.shape[2] % TILED_BLOCK_KV == 0):
+    return TILED_BLOCK_KV
+  return DEFAULT_BLOCK_KV
 
 
 def default_stages(block_kv: int) -> int:
@@ -273,8 +287,8 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
       the entries of pages holding slots below the row's longest limit are read; an entry outside
       0..num_pages-1 there is clipped into the pool (the caller checks tables:
       `dspark_jax.paging.cache.check_table`).
-    block_kv: slots per KV block (default 64; with a table `paged_block`); a power of two >= 16
-      dividing S (the page size, with a table).
+    block_kv: slots per KV block (default `default_block`); a power of two >= 16 dividing S
+      (the page size, with a table).
     splits: instances per (row, kv head) sharing a row's blocks (default `default_splits`; 1
       where the queries are split into tiles, the only value allowed there).
     num_warps, num_stages: Triton compiler settings (None: `DEFAULT_WARPS` (`TILED_WARPS` with
@@ -290,7 +304,7 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
     ValueError: naming the failed precondition.
   """
   paged = block_table is not None
-  block_kv = block_kv or (paged_block(k.shape[2]) if paged else DEFAULT_BLOCK_KV)
+  block_kv = block_kv or default_block(q, k, paged)
   failed = precondition(q, k, v, block_kv=block_kv, block_table=block_table)
   if failed:
     raise ValueError(f"ragged_attention: precondition failed: {failed}")

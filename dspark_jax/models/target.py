@@ -83,9 +83,10 @@ def qwen3_4b_shape(**overrides) -> TargetConfig:
   return TargetConfig(**values)
 
 
-CACHE_MULTIPLE = 64
+CACHE_MULTIPLE = 128
 """On GPUs the decoding loops allocate caches in multiples of this: the ragged attention kernel
-reads the cache in blocks of 64 slots (`kernels.ragged_attention`)."""
+reads the cache in blocks of 64 slots, and a prefill's query tiles in blocks of 128
+(`kernels.ragged_attention.default_block`)."""
 
 
 def cache_slots(needed: int, platform: str | None = None) -> int:
