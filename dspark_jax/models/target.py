@@ -30,8 +30,8 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.paging import cache as paging
-from dspark_jax.parallel import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple
 class TargetModel(nnx.Module):
   """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``.
 
-  `plan` is None, or the `parallel.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
+  `plan` is None, or the `models.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
   its caches (contiguous, or a paged cache's pools) are then kept sharded by KV head.
   """
 
