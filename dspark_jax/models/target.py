@@ -277,7 +277,7 @@ def logits(target: TargetModel, tokens) -> jax.Array:
 
   Returns:
     [B, T, V] logits in the target's compute dtype; row b, column t is the next-token logits after
-    ``tokens[b, :t+1]``.
+    ``tokens[b, :t+1]``. No rows (B = 0) give an empty [0, T, V] array.
 
   Raises:
     ValueError: `tokens` is not 2-D, not integer, has no columns, or (when concrete) holds an id
@@ -299,6 +299,8 @@ def logits(target: TargetModel, tokens) -> jax.Array:
                      f"{tuple(tokens.shape)}")
   vocab = target.config.vocab_size
   validation.check_range("tokens", tokens, 0, vocab, what=f"token ids must be in [0, {vocab})")
+  if tokens.shape[0] == 0:  # no rows: nothing to run (a [0, T] reshape would divide by zero)
+    return jnp.zeros((0, tokens.shape[1], vocab), target.config.dtype)
   if validation.is_traced(tokens):
     return target.forward(tokens.astype(jnp.int32))[0]
   graphdef, state = nnx.split(target)
