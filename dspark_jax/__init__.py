@@ -31,7 +31,7 @@ Public API (each name documented in its module):
 * `Tokenizer`, `load_tokenizer` (text.tokenizer): a model directory's tokenizer with its special
   tokens, stop ids and chat template; `generate_text`, `TextResult` (text.generation): text in, text
   out, with stop strings.
-* `load_shipped`, `load_shipped_tokenizer` (models.shipped): the trained pair shipped in
+* `load_shipped`, `load_shipped_tokenizer` (formats.shipped): the trained pair shipped in
   ``dspark_jax/assets`` and its tokenizer.
 * `shard`, `make_mesh` (parallel.placement): sharded copies of a target and draft on a device mesh
   (tensor parallelism over axis "tp", replicas over "dp"); `load_pretrained(..., mesh=mesh)` loads
@@ -50,7 +50,7 @@ from dspark_jax.draft.proposer import DraftSampler, build_draft_sampler
 from dspark_jax.formats.pretrained import load_pretrained, save_pretrained
 from dspark_jax.models.draft import DraftConfig, DSparkDraft
 from dspark_jax.models.layers import LayerShape
-from dspark_jax.models.shipped import load_shipped, load_shipped_tokenizer
+from dspark_jax.formats.shipped import load_shipped, load_shipped_tokenizer
 from dspark_jax.models.target import TargetConfig, TargetModel, logits
 from dspark_jax.parallel.placement import make_mesh, shard
 from dspark_jax.sampling.params import SamplingParams

@@ -28,7 +28,7 @@ table last):
               of held-out prompts in the same batch check that the target does not loop.
   export      bf16 safetensors of target, (calibrated) drafter and ablation + tokenizer + held-out
               prompts + manifest.json into ``--export`` (default ``dspark_jax/assets``), each weight
-              file split into parts of at most 15 MiB (`dspark_jax.models.shipped.save_parts`).
+              file split into parts of at most 15 MiB (`dspark_jax.formats.shipped.save_parts`).
   export-hf   the exported pair through `dspark_jax.save_pretrained` into ``--hf-dir``: a Hugging
               Face Qwen3 target (with the tokenizer) and DeepSpec drafts (``draft``, ``ablation``),
               read back with `dspark_jax.load_pretrained` as a check. Part of ``all`` when
@@ -73,7 +73,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dspark_jax as dj  # noqa: E402
 from dspark_jax.draft import heads  # noqa: E402
 from dspark_jax.models import draft as dm  # noqa: E402
-from dspark_jax.models import layers, shipped  # noqa: E402
+from dspark_jax.formats import shipped  # noqa: E402
+from dspark_jax.models import layers  # noqa: E402
 from dspark_jax.models import target as tm  # noqa: E402
 from dspark_jax.scheduling import calibration  # noqa: E402
 from dspark_jax.formats import checkpoints  # noqa: E402

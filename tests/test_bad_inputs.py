@@ -369,7 +369,7 @@ def test_truncated_and_wrong_kind_checkpoints_are_named(saved_target, tmp_path):
 
 def test_damaged_shipped_assets_are_named(tmp_path):
   import shutil
-  from dspark_jax.models import shipped
+  from dspark_jax.formats import shipped
   copy = tmp_path / "assets"
   shutil.copytree(shipped.ASSETS, copy)
   (copy / "manifest.json").write_text("{broken")

@@ -183,6 +183,19 @@ def test_sample_step_refuses_an_empty_vocabulary():
     dj.sample_step(jnp.zeros((2, 0)), PARAMS, jax.random.key(0), jnp.array([0, 1]))
 
 
+def test_logits_of_no_rows_is_empty(pair):
+  """B = 0 gives an empty [0, T, V] array in the dtype of a one-row call (it raised
+  ZeroDivisionError in a reshape); concrete tokens and tokens traced under jit alike."""
+  target = pair[0]
+  one = dj.logits(target, np.zeros((1, 5), np.int32))
+  out = dj.logits(target, np.zeros((0, 5), np.int32))
+  assert out.shape == (0, 5, TARGET.vocab_size) and out.dtype == one.dtype
+  traced = jax.jit(lambda tokens: dj.logits(target, tokens))(jnp.zeros((0, 3), jnp.int32))
+  assert traced.shape == (0, 3, TARGET.vocab_size) and traced.dtype == one.dtype
+  with pytest.raises(ValueError, match=r"tokens: expected at least one token per row"):
+    dj.logits(target, np.zeros((0, 0), np.int32))
+
+
 def test_sampling_params_fields_are_read_only_and_documented():
   """Writing into a field is refused (NumPy's read-only error); the docstring says so and how to
   change a value."""

@@ -183,7 +183,7 @@ def test_prepared_head_arrays_decode_the_same_tokens(target, monkeypatch):
                       or pallas_block.prepare_head_arrays(arrays))
   # Compiled and traced again under the patch (a new function object has no cached trace), and
   # both dropped afterwards.
-  monkeypatch.setattr(decoding.host, "_COMPILED", {})
+  monkeypatch.setattr(decoding.compile_cache, "_COMPILED", {})
   monkeypatch.setattr(decoding.loop, "_decode_program", functools.partial(decoding._decode_program))
   posed = run()
   assert prepared == [[posed.backend]] and posed.path == plain.path == "folded-sampling"

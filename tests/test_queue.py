@@ -255,7 +255,7 @@ def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch,
   def exhausted(*args):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
 
-  monkeypatch.setattr(decoding.host, "compiled", lambda *args, **kw: (exhausted, 0.0))
+  monkeypatch.setattr(decoding.compile_cache, "compiled", lambda *args, **kw: (exhausted, 0.0))
   if paged:
     match = (r"max_batch_size=2 slots over a pool of 6 pages of 16 positions.*lower num_pages "
              r"\(pool size\) or max_batch_size \(concurrency\)")

@@ -247,7 +247,7 @@ CALIBRATE = ["--prompts", "3", "--max-new-tokens", "16", "--temperatures", "0", 
 
 @pytest.mark.slow  # one decode program (~8 s to compile on 2 cores)
 def test_calibrate_writes_the_sts_fit_of_its_trace(tmp_path, capsys):
-  from dspark_jax.models import shipped
+  from dspark_jax.formats import shipped
 
   out = tmp_path / "cal.json"
   assert cli.main(["calibrate", *CALIBRATE, "--out", str(out)]) == 0

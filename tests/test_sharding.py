@@ -38,9 +38,9 @@ from dspark_jax.formats import safetensors_io
 from dspark_jax.kernels import dispatch
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
 from dspark_jax.paging import cache as paging
-from dspark_jax.parallel import layout
 from dspark_jax.parallel import mulhi
 from dspark_jax.scheduling import schedules
 from dspark_jax.testing import law_checks

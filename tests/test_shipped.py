@@ -14,7 +14,7 @@ from dspark_jax.apps import cli
 from dspark_jax.text import byte_bpe
 from dspark_jax.train import data
 from dspark_jax.models import layers
-from dspark_jax.models import shipped
+from dspark_jax.formats import shipped
 from dspark_jax.train import trainer as training
 from dspark_jax.models import target as tm
 

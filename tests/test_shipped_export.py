@@ -19,7 +19,7 @@ from flax import nnx
 
 import dspark_jax as dj
 from dspark_jax.formats import deepspec
-from dspark_jax.models import shipped
+from dspark_jax.formats import shipped
 from dspark_jax.formats import checkpoints
 
 

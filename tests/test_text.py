@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import decoding
-from dspark_jax.models import shipped
+from dspark_jax.formats import shipped
 from dspark_jax.sampling import params as sp
 from dspark_jax.text import generation
 from dspark_jax.text import tokenizer as tk

@@ -16,7 +16,8 @@ from flax import nnx
 
 import dspark_jax as dj
 from dspark_jax.models import draft as dm
-from dspark_jax.models import layers, shipped
+from dspark_jax.formats import shipped
+from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from dspark_jax.text import load_tokenizer
 from dspark_jax.formats import checkpoints

@@ -288,7 +288,7 @@ def evaluate(args) -> int:
   if args.target is None and args.dataset is None:
     import dataclasses
 
-    from dspark_jax.models import shipped
+    from dspark_jax.formats import shipped
     for flag in ("draft", "tokenizer", "dtype"):
       if getattr(args, flag) is not None:
         flags.fail("eval", f"--{flag}", "needs --target (without it the shipped pair runs)")

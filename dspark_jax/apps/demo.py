@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import decoding
-from dspark_jax.models import shipped
+from dspark_jax.formats import shipped
 from dspark_jax.sampling import params as sp
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from dspark_jax import decoding
 from dspark_jax.sampling import params as sp
-from dspark_jax.models import shipped
+from dspark_jax.formats import shipped
 
 
 @dataclasses.dataclass

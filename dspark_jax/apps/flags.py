@@ -154,7 +154,7 @@ def load_models(args, command: str, *, need_draft: bool):
   """(target, draft or None, tokenizer, description) from the model flags; exits naming the flag."""
   import os
 
-  from dspark_jax.models import shipped
+  from dspark_jax.formats import shipped
   from dspark_jax.text import load_tokenizer
 
   if args.chat_kwargs is not None and not args.chat:

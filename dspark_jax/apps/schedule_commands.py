@@ -21,7 +21,7 @@ def _pair_and_prompts(args, command: str, *, first: int):
   from dspark_jax.apps import evaluation
 
   if args.target is None and args.dataset is None:
-    from dspark_jax.models import shipped
+    from dspark_jax.formats import shipped
     for flag in ("draft", "tokenizer", "dtype"):
       if getattr(args, flag) is not None:
         flags.fail(command, f"--{flag}", "needs --target (without it the shipped pair runs)")

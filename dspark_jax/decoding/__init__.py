@@ -7,11 +7,15 @@ loop as a pure function of arrays). One module per job:
   draft forward, folded block, verify, commit, context update, counts).
 * `loop`: the whole decode as one program (`lax.while_loop`), `decode`, `DecodeOutput`, and the
   eager fallback that drives the same round from Python.
-* `host`: `generate`, `GenerateResult`, input checks, padding buckets, routing and the compile
-  cache.
+* `requests`: what both the fixed batch and the queue check and shape on the host: prompts padded
+  to buckets, budgets, sampling parameters, stop arrays, the pair check, the path and backend.
+* `compile_cache`: each decode program compiled once per process and shape.
+* `host`: `generate` (the front: a fixed batch here, or the queue) and `GenerateResult`.
 * `stops`: stop sequences: the host check (`stop_sequence_array`), the in-loop match, finish codes.
-* `queue`: the queue-driven decode (continuous batching): `Engine`, `generate(...,
-  max_batch_size=S)`, `QueueResult`, `PromptResult`; S slots refilled from a prompt queue.
+* `queue`: the queue-driven decode (continuous batching): `Engine` and its host loop, `generate(...,
+  max_batch_size=S)`; S slots refilled from a prompt queue. `slots`: the slots' state and their
+  refill and chunk programs; `paged_slots`: paged admission, growth and preemption;
+  `queue_results`: `QueueResult`, `PromptResult`.
 * `draft_proposal`: the block a draft proposes after given tokens, by the same pieces as a round.
 
 * **Prefill.** Prompts of different lengths are right-padded to a length bucket and run through the
@@ -42,11 +46,12 @@ from dspark_jax.decoding.loop import (DecodeOutput, RoundTrace, _decode_program,
                                       decode)
 from dspark_jax.decoding.stops import (FINISH_LENGTH, FINISH_REASONS, FINISH_STOP_SEQUENCE,
                                        FINISH_STOP_TOKEN, stop_sequence_array)
-from dspark_jax.decoding.host import (_COMPILED, MIN_BUCKET, GenerateResult, _check_budgets,
-                                      _choose_path, _prepare_prompts, bucket, check_pair,
-                                      compiled_programs, generate)
+from dspark_jax.decoding.requests import (MIN_BUCKET, _check_budgets, _choose_path,
+                                          _prepare_prompts, bucket, check_pair)
+from dspark_jax.decoding.compile_cache import _COMPILED, compiled_programs
+from dspark_jax.decoding.host import GenerateResult, generate
 from dspark_jax.decoding.queue import Engine, PromptResult, QueueResult
-from dspark_jax.decoding import host, loop, queue, rounds, stops
+from dspark_jax.decoding import compile_cache, host, loop, queue, requests, rounds, stops
 
 __all__ = ["DecodeOutput", "Engine", "PromptResult", "QueueResult", "FINISH_LENGTH",
            "FINISH_REASONS", "FINISH_STOP_SEQUENCE",

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding import host
+from dspark_jax.decoding import requests
 from dspark_jax.decoding import rounds
 from dspark_jax import validation
 from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import pallas_block
 from dspark_jax.models import draft as dm
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
-from dspark_jax.parallel import layout
 from dspark_jax.sampling import params as sp
 
 
@@ -90,7 +90,7 @@ def draft_proposal(target: tm.TargetModel, draft: dm.DSparkDraft, tokens, params
       explicit backend whose preconditions fail.
   """
   draft.config.check_against(target.config)
-  host.check_pair(target, draft)
+  requests.check_pair(target, draft)
   tokens = validation.as_array("tokens", tokens)
   if np.ndim(tokens) != 2:
     raise ValueError(f"tokens: expected [B, n], got shape {np.shape(tokens)}")

@@ -1,13 +1,11 @@
-"""`generate`: the checked host wrapper around the compiled loop, and its compile cache.
+"""`generate`: the front that decodes a fixed batch or hands the prompts to the queue.
 
-This module owns what happens on the host around a decode: checking and padding the prompts
-(right-padded to a length bucket), budgets and stop tokens; routing (docs/memory_gate.md: an
-all-greedy batch runs the greedy-only variant; a batch with sampled rows runs the folded sampling
-variant if the memory gate allows it, else the eager fallback); compiling each bucket's program
-ahead of time once per process (`_COMPILED`: batch, prompt length and ``max_new_tokens`` rounded up
-to powers of two, stop sequences to [B, S, L] powers of two, so calls in the same buckets never
-recompile; a schedule is part of the key by identity: reuse the object; `compiled`); and the
-`GenerateResult`. With ``max_batch_size`` it hands the prompts to the queue (`decoding.queue`).
+This module owns `generate` and the fixed batch: with ``max_batch_size`` the prompts go to the
+queue (`decoding.queue.Engine`); without, one batch of every prompt runs here, checked and padded
+by `decoding.requests` (batch, prompt length and ``max_new_tokens`` rounded up to powers of two,
+stop sequences to [B, S, L] powers of two), its path and backend chosen there too, its program
+compiled once per process (`decoding.compile_cache`), its `DecodeOutput` turned into the
+`GenerateResult`.
 """
 
 from __future__ import annotations
@@ -15,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax import validation
-from dspark_jax import verification
+from dspark_jax.decoding import compile_cache
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import queue
 from dspark_jax.decoding import stops
-from dspark_jax.decoding.rounds import PATH_AUTOREGRESSIVE, PREFILL_CHUNK, _row_arrays
+from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, check_models,
+                                          check_request, choose_block_backend)
+from dspark_jax.decoding.rounds import PREFILL_CHUNK, _row_arrays
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.kernels import dispatch
@@ -33,8 +32,6 @@ from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
 from dspark_jax.parallel import placement
 from dspark_jax.sampling import params as sp
-
-MIN_BUCKET = 8
 
 
 @dataclasses.dataclass
@@ -92,110 +89,6 @@ class GenerateResult:
   @property
   def tokens_per_second(self) -> float:
     return float(self.lengths.sum()) / max(self.wall_seconds, 1e-12)
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-  """The padding bucket of `n`: the smallest power of two >= max(n, minimum)."""
-  size = 1
-  while size < max(n, minimum):
-    size *= 2
-  return size
-
-_COMPILED: dict[tuple, Any] = {}
-"""Compiled decode programs of this process, keyed by everything that fixes their shape."""
-
-
-def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
-  """`fn` compiled ahead of time for `args`' shapes and dtypes and the `statics` keywords, from
-  `_COMPILED` when it holds that program; and the seconds spent compiling it here (0 when cached).
-  `donate`: positions of arguments whose buffers the program may reuse for its outputs."""
-  shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), args)
-  signature = (getattr(fn, "__qualname__", repr(fn)), str(jax.tree_util.tree_structure(shapes)),
-               str(jax.tree.leaves(shapes)), tuple(statics.items()), donate)
-  program = _COMPILED.get(signature)
-  if program is not None:
-    return program, 0.0
-  start = time.perf_counter()
-  program = jax.jit(fn, static_argnames=tuple(statics), donate_argnums=donate).lower(
-      *args, **statics).compile()
-  _COMPILED[signature] = program
-  return program, time.perf_counter() - start
-
-
-def compiled_programs() -> int:
-  """How many decode programs this process has compiled (for compile guards)."""
-  return len(_COMPILED)
-
-
-def _prepare_prompts(prompts, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
-    rows = [np.asarray(p) for p in np.asarray(prompts)]
-  elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
-    rows = [np.asarray(p) for p in prompts]
-  else:
-    raise ValueError("prompts: expected a sequence of token-id sequences or a [B, T] array")
-  if not rows:
-    raise ValueError("prompts: empty batch")
-  for i, row in enumerate(rows):
-    if row.ndim != 1 or row.size == 0:
-      raise ValueError(f"prompts: row {i} must be a non-empty 1-D token sequence, got shape "
-                       f"{row.shape}")
-    if row.dtype.kind not in "iu":
-      raise ValueError(f"prompts: row {i} has dtype {row.dtype}; expected integer token ids")
-    bad = (row < 0) | (row >= vocab)
-    if bad.any():
-      j = int(np.flatnonzero(bad)[0])
-      raise ValueError(f"prompts: row {i} token {j} is {row[j]}; must be in [0, {vocab})")
-  lens = np.array([r.size for r in rows], np.int32)
-  padded = np.zeros((len(rows), bucket(int(lens.max()), MIN_BUCKET)), np.int32)
-  for i, row in enumerate(rows):
-    padded[i, :row.size] = row
-  return padded, lens
-
-
-def _check_budgets(max_new_tokens, batch: int) -> np.ndarray:
-  """[B] int64 budgets from an int or B ints in [0, 2**31), or ValueError naming the first bad one."""
-  budgets = np.asarray(max_new_tokens)
-  if budgets.dtype.kind not in "iu":
-    raise ValueError(f"max_new_tokens: expected an int or {batch} ints, got {max_new_tokens!r}")
-  if budgets.ndim > 1 or (budgets.ndim == 1 and budgets.shape[0] != batch):
-    raise ValueError(f"max_new_tokens: expected an int or {batch} ints (one per prompt), got "
-                     f"shape {budgets.shape}")
-  budgets = np.broadcast_to(budgets.astype(np.int64), (batch,))
-  validation.check_range("max_new_tokens", budgets, 0, validation.POSITION_LIMIT,
-                         what="must be in [0, 2**31)")
-  return budgets
-
-
-def check_pair(target: tm.TargetModel, draft: dm.DSparkDraft) -> None:
-  """Raises ValueError unless the draft's real weights fit the target's: the vocabulary of its
-  head and the width of its context projection (configs can agree while the arrays do not)."""
-  vocab, hidden = target.embed.embedding.shape
-  if draft.head.vocab_size != vocab:
-    raise ValueError(f"draft: its head has a vocabulary of {draft.head.vocab_size}, the target's "
-                     f"embedding {vocab}")
-  features = len(draft.config.target_layer_ids) * hidden
-  kernel = tuple(draft.fc.kernel.shape)
-  if kernel != (features, hidden):
-    raise ValueError(f"draft: its context projection fc is {list(kernel)}; the target (hidden size "
-                     f"{hidden}, {len(draft.config.target_layer_ids)} feature layers) needs "
-                     f"{[features, hidden]}")
-
-
-def _choose_path(spec, params, draft, batch, vocab, mode, memory_stats, headroom_bytes,
-                 store_logits=True):
-  if not spec:
-    return PATH_AUTOREGRESSIVE, None
-  if params.all_greedy():
-    return proposal.PATH_FOLDED_GREEDY, None
-  mode = memory_gate.resolve_mode(mode)
-  need = memory_gate.sampling_need_bytes(batch, vocab, draft.config.gamma, draft.config.dtype,
-                                         store_logits=store_logits, rank=draft.head.rank)
-  free, source = memory_gate.probe_free_bytes(memory_stats)
-  enabled, reason = memory_gate.decide(mode, need, free, headroom_bytes, source)
-  if not enabled and mode is memory_gate.FoldedSampling.AUTO:
-    memory_gate.logger.warning("dspark_jax: folded sampling disabled; %s", reason)
-  return (proposal.PATH_FOLDED_SAMPLING if enabled else proposal.PATH_EAGER), reason
 
 
 def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, params: sp.SamplingParams,
@@ -262,7 +155,6 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
   if max_batch_size is not None:
     if not isinstance(trace, (bool, np.bool_)):
       raise ValueError(f"trace: expected a bool, got {trace!r}")
-    from dspark_jax.decoding import queue  # the queue builds on this module
     paging = {name: value for name, value in
               (("kv", kv), ("num_pages", num_pages), ("page_size", page_size)) if value is not None}
     engine = queue.Engine(target, draft, max_batch_size, max_seq_len=max_seq_len, spec=spec,
@@ -278,22 +170,23 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                       ("page_size", page_size)):
     if value is not None:
       raise ValueError(f"{name}: only the queue-driven decode takes it (pass max_batch_size)")
+  return _fixed_batch(target, draft, prompts, params, key, max_new_tokens=max_new_tokens,
+                      stop_token_ids=stop_token_ids, spec=spec, mode=mode,
+                      memory_stats=memory_stats, headroom_bytes=headroom_bytes,
+                      store_logits=store_logits, backend=backend, config=config,
+                      stop_sequences=stop_sequences, schedule=schedule, trace=trace,
+                      prefill_chunk=prefill_chunk)
+
+
+def _fixed_batch(target, draft, prompts, params, key, *, max_new_tokens, stop_token_ids, spec,
+                 mode, memory_stats, headroom_bytes, store_logits, backend, config,
+                 stop_sequences, schedule, trace, prefill_chunk) -> GenerateResult:
+  """`generate` without `max_batch_size`: every prompt in one padded batch (its arguments)."""
   vocab = target.config.vocab_size
-  if spec:
-    if draft is None:
-      raise ValueError("draft: required for speculative decoding (pass spec=False for the baseline)")
-    draft.config.check_against(target.config)
-    check_pair(target, draft)
-  prompt, prompt_lens = _prepare_prompts(prompts, vocab)
+  check_models(target, draft, spec)
+  prompt, prompt_lens, max_new, stop_ids, stop_seqs = check_request(
+      prompts, params, key, max_new_tokens, stop_token_ids, stop_sequences, vocab)
   batch = prompt.shape[0]
-  if not isinstance(params, sp.SamplingParams):
-    raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-  if params.batch_size != batch:
-    raise ValueError(f"params: has {params.batch_size} rows but there are {batch} prompts")
-  max_new = _check_budgets(max_new_tokens, batch)
-  validation.check_key("key", key)
-  stop_ids = verification.stop_id_array(stop_token_ids, batch, vocab)
-  stop_seqs = stops.stop_sequence_array(stop_sequences, batch, vocab)
   loop.check_schedule(schedule, draft, spec)
   if not isinstance(trace, (bool, np.bool_)):
     raise ValueError(f"trace: expected a bool, got {trace!r}")
@@ -321,12 +214,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
 
   choice = None
   if path in (proposal.PATH_FOLDED_GREEDY, proposal.PATH_FOLDED_SAMPLING):
-    choice = proposal.choose_backend(
-        draft.head.arrays(),
-        jax.ShapeDtypeStruct((padded_batch, gamma, vocab), draft.config.dtype),
-        kind=draft.head.kind, greedy_only=path == proposal.PATH_FOLDED_GREEDY,
-        store_logits=store_logits, confidence=draft.confidence is not None, backend=backend,
-        config=config)
+    choice = choose_block_backend(draft, path, padded_batch, vocab, store_logits=store_logits,
+                                  backend=backend, config=config)
   compile_seconds = 0.0
   start = time.perf_counter()
   if path == proposal.PATH_EAGER:
@@ -338,8 +227,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
                    out_len=out_len, store_logits=store_logits, backend=choice,
                    schedule=schedule, trace=trace, prefill_chunk=prefill_chunk)
-    program, compile_seconds = compiled(loop._decode_program, (target_state, draft_state, *args),
-                                        statics)
+    program, compile_seconds = compile_cache.compiled(
+        loop._decode_program, (target_state, draft_state, *args), statics)
     start += compile_seconds
     out = program(target_state, draft_state, *args)
   out = jax.device_get(placement.to_host(out))   # dp rows on other hosts: gathered

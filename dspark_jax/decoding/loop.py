@@ -28,8 +28,8 @@ from dspark_jax.decoding.rounds import (PATH_AUTOREGRESSIVE, PREFILL_CHUNK, _aft
 from dspark_jax.draft import block as proposal
 from dspark_jax.kernels import pallas_block
 from dspark_jax.models import draft as dm
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
-from dspark_jax.parallel import layout
 from dspark_jax.sampling import params as sp
 
 

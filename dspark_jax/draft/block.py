@@ -60,7 +60,7 @@ def choose_backend(head_params: dict, base_logits, *, kind: str, greedy_only: bo
   `backend`: a `dispatch.Choice` (returned as it is), "auto", "xla", "triton", "hopper", or None
   (``$DSPARK_JAX_BACKEND``, default "auto"); `config`: that backend's settings (`dispatch`). The
   devices the block spans count (the kernels run on one device only): `devices` where given (a
-  sharded draft's, `parallel.layout.plan_devices`, known when its arrays are traced), else those
+  sharded draft's, `models.layout.plan_devices`, known when its arrays are traced), else those
   ``head_params["w2"]`` spans (1 for a traced array).
   """
   batch, gamma, vocab = base_logits.shape

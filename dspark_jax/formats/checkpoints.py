@@ -115,12 +115,8 @@ def _name(path) -> str:
   return ".".join(parts)
 
 
-FUSED = {
-    "attention.qkv_proj.kernel": ("attention.q_proj.kernel", "attention.k_proj.kernel",
-                                  "attention.v_proj.kernel"),
-    "mlp.gate_up_proj.kernel": ("mlp.gate_proj.kernel", "mlp.up_proj.kernel"),
-}
-"""A fused parameter's path suffix -> the names of its column blocks, in order."""
+FUSED = layers.FUSED
+"""A fused parameter's path suffix -> the names of its column blocks, in order (`layers.FUSED`)."""
 
 
 def _fused_suffix(name: str) -> str | None:

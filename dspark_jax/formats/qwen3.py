@@ -36,8 +36,8 @@ from flax import nnx
 from dspark_jax import validation
 from dspark_jax.formats import safetensors_io
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
-from dspark_jax.parallel import layout
 from dspark_jax.parallel import loading
 from dspark_jax.parallel import placement
 from dspark_jax.formats import checkpoints
@@ -454,7 +454,7 @@ def load_qwen3(directory: str, *, dtype=None, feature_layers: Sequence[int] = (-
     ValueError: a refused config field (`config_from_hf`), or a missing, unexpected or misshapen
       tensor (naming it). A tied checkpoint may hold ``lm_head.weight`` only if it equals the
       embedding. With a mesh, also: a mesh that does not divide the heads, KV heads, SwiGLU width
-      or vocabulary (`parallel.layout.check_divisible`).
+      or vocabulary (`models.layout.check_divisible`).
   """
   directory = validation.check_path("directory", directory)
   hf = read_config(directory)

@@ -5,6 +5,7 @@
 * `pallas_block`: a folded block computed by the kernels (the per-step Triton chain, or the Hopper
   step kernels), given a dispatch decision.
 * `triton_step`: one Pallas (Triton) kernel per draft step: corrected logits and per-tile statistics.
+* `head_steps`: the heads' arithmetic of one draft step (pure functions; `draft.heads` builds on it).
 * `token_kernels`: the per-row kernels of the chain: token choice, in-tile draws, the block's noise.
 * `attention`: the models' attention: XLA einsums, or cuDNN's fused attention on GPUs
   (``$DSPARK_JAX_ATTENTION``).

@@ -28,8 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.draft import heads as heads_lib
 from dspark_jax.kernels import dispatch
+from dspark_jax.kernels import head_steps
 from dspark_jax.kernels import hopper_step
 from dspark_jax.kernels import token_kernels
 from dspark_jax.kernels import triton_step
@@ -128,7 +128,7 @@ def block(choice: dispatch.Choice, kind, head_params, conf_params, base_logits, 
       if hopper_vectors and k:  # v_k = W1[x_{k-1}], written by the token choice before
         v, e = next_vectors, next_vectors.astype(jnp.float32)
       else:
-        v, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+        v, e, state = head_steps.markov_vector(kind, head_params, prev, hidden_k, state)
       reverse = config.serpentine and k % 2 == 1
       if greedy_only:
         prev = hopper_step.tokens(*hopper_step.greedy_partials(
@@ -146,12 +146,12 @@ def block(choice: dispatch.Choice, kind, head_params, conf_params, base_logits, 
         next_vectors = more[0] if more else None
       tokens.append(prev)
       if conf_params is not None:
-        confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
+        confidence.append(head_steps.confidence_step(conf_params, hidden_k, e, k))
       continue
     if w1_in_kernel:
       head_input, w1, e = prev, head_params["w1"], None
     else:
-      head_input, e, state = heads_lib.markov_vector(kind, head_params, prev, hidden_k, state)
+      head_input, e, state = head_steps.markov_vector(kind, head_params, prev, hidden_k, state)
       w1 = None
     stats = triton_step.step_stats(
         head_input, head_params["w2"], base_logits, temperature, noise, corrected,
@@ -181,7 +181,7 @@ def block(choice: dispatch.Choice, kind, head_params, conf_params, base_logits, 
         vectors.append(head_input.astype(head_params["w2"].dtype))
     tokens.append(prev)
     if conf_params is not None:
-      confidence.append(heads_lib.confidence_step(conf_params, hidden_k, e, k))
+      confidence.append(head_steps.confidence_step(conf_params, hidden_k, e, k))
   if hopper and not greedy_only:
     corrected = jax.freeze(corrected_ref)
   tokens = jnp.stack(tokens, axis=1) if out is None else out

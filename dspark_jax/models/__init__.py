@@ -1,7 +1,7 @@
-"""The models: Qwen3-style layers, the target with its static KV cache, the DSpark draft, the shipped pair.
+"""The models: Qwen3-style layers and their tensor-parallel layout, the target, the DSpark draft.
 
 * `layers`: RoPE, grouped-query attention with q/k norm, SwiGLU, `DecoderLayer`, cache writes.
+* `layout`: the tensor-parallel layout rules (`Plan`, parameter specs, cache constraints).
 * `target`: `TargetModel` / `TargetConfig`.
 * `draft`: `DSparkDraft` / `DraftConfig`: the draft backbone, its heads, its context cache.
-* `shipped`: the trained pair in ``dspark_jax/assets`` and `load_shipped`.
 """

@@ -40,9 +40,9 @@ from flax import nnx
 from dspark_jax import validation
 from dspark_jax.draft import heads
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
 from dspark_jax.paging import cache as paging
-from dspark_jax.parallel import layout
 
 
 @dataclasses.dataclass(frozen=True)

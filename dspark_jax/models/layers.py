@@ -216,6 +216,15 @@ def write_heads(cache: jax.Array, values: jax.Array, start: jax.Array) -> jax.Ar
       cache, heads_first(values).astype(cache.dtype), start)
 
 
+FUSED = {
+    "attention.qkv_proj.kernel": ("attention.q_proj.kernel", "attention.k_proj.kernel",
+                                  "attention.v_proj.kernel"),
+    "mlp.gate_up_proj.kernel": ("mlp.gate_proj.kernel", "mlp.up_proj.kernel"),
+}
+"""A fused parameter's path suffix -> the names of its column blocks, in order (the names
+checkpoints give the parts: `dspark_jax.formats.checkpoints`)."""
+
+
 def group_columns(x, widths: tuple[int, ...], groups: int):
   """Fused columns ``[part_0 | part_1 | ...]`` (widths `widths`, on the last axis) -> `groups`
   column groups, group j the j-th `groups`-th of every part in order. NumPy or JAX arrays;

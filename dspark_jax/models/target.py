@@ -30,8 +30,8 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.paging import cache as paging
-from dspark_jax.parallel import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def init_cache(config: TargetConfig, batch: int, length: int) -> dict[str, tuple
 class TargetModel(nnx.Module):
   """Qwen3-style decoder. ``model(tokens, positions, cache) -> (logits, features, cache)``.
 
-  `plan` is None, or the `parallel.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
+  `plan` is None, or the `models.layout.Plan` a sharded copy (`dspark_jax.shard`) runs under:
   its caches (contiguous, or a paged cache's pools) are then kept sharded by KV head.
   """
 
@@ -278,7 +278,7 @@ def logits(target: TargetModel, tokens) -> jax.Array:
 
   Returns:
     [B, T, V] logits in the target's compute dtype; row b, column t is the next-token logits after
-    ``tokens[b, :t+1]``.
+    ``tokens[b, :t+1]``. No rows (B = 0) give an empty [0, T, V] array.
 
   Raises:
     ValueError: `tokens` is not 2-D, not integer, has no columns, or (when concrete) holds an id
@@ -300,6 +300,8 @@ def logits(target: TargetModel, tokens) -> jax.Array:
                      f"{tuple(tokens.shape)}")
   vocab = target.config.vocab_size
   validation.check_range("tokens", tokens, 0, vocab, what=f"token ids must be in [0, {vocab})")
+  if tokens.shape[0] == 0:  # no rows: nothing to run (a [0, T] reshape would divide by zero)
+    return jnp.zeros((0, tokens.shape[1], vocab), target.config.dtype)
   if validation.is_traced(tokens):
     return target.forward(tokens.astype(jnp.int32))[0]
   graphdef, state = nnx.split(target)

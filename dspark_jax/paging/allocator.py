@@ -27,7 +27,7 @@ Two policies, both of which never let a row be written through a page it does no
 Admission (`admissible`) is first come, first served in both: a later, smaller row never overtakes
 the queue's head, so the head cannot starve; `watermark` pages can be kept free for growth.
 
-`pool_pages` sizes the pool from free device memory (`draft.memory_gate.probe_free_bytes`) less
+`pool_pages` sizes the pool from free device memory (`device_memory.probe_free_bytes`) less
 what the caller still has to place and a headroom.
 """
 
@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from dspark_jax import device_memory
 from dspark_jax import validation
-from dspark_jax.draft import memory_gate
 from dspark_jax.paging import cache as paged_cache
 
 
@@ -197,13 +197,13 @@ def token_bytes(num_layers: int, kv_heads: int, head_dim: int, itemsize: int) ->
 
 
 def pool_pages(page_bytes: int, *, reserve_bytes: int = 0,
-               headroom_bytes: int = memory_gate.DEFAULT_HEADROOM_BYTES,
+               headroom_bytes: int = device_memory.DEFAULT_HEADROOM_BYTES,
                memory_stats: Mapping[str, Any] | Callable[[], Any] | None = None,
                device=None) -> int:
   """How many pages of `page_bytes` (every layer's keys and values of one page, target and draft:
   ``page_size · token_bytes(...)`` summed) fit in free device memory less `reserve_bytes` (what is
   still to be placed, e.g. weights not loaded yet, the decoding program's buffers) and
-  `headroom_bytes`. Free memory is `memory_gate.probe_free_bytes` (`memory_stats`, `device` as
+  `headroom_bytes`. Free memory is `device_memory.probe_free_bytes` (`memory_stats`, `device` as
   there); weights already on the device are not free and need no reserve.
 
   Raises:
@@ -211,7 +211,7 @@ def pool_pages(page_bytes: int, *, reserve_bytes: int = 0,
       pass a mapping, or size the pool by hand).
   """
   page_bytes = validation.check_positive_int("page_bytes", page_bytes)
-  free, source = memory_gate.probe_free_bytes(memory_stats, device)
+  free, source = device_memory.probe_free_bytes(memory_stats, device)
   if free is None:
     raise ValueError(f"memory_stats: free device memory is unknown ({source}); pass a mapping "
                      f"with bytes_limit and bytes_in_use, or choose num_pages yourself")

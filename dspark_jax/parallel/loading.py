@@ -16,14 +16,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.formats import checkpoints
 from dspark_jax.models import layers
-from dspark_jax.parallel import layout
+from dspark_jax.models import layout
 from dspark_jax.parallel import placement
 
 Reader = Callable[[str, tuple[slice, ...]], np.ndarray]
 """``read(name, index) -> array``: the part `index` (a slice per axis, in our layout: kernels
-[in, out]) of the parameter `name` (a `checkpoints.named_arrays` name: fused projections by part)."""
+[in, out]) of the parameter `name` (a `dspark_jax.formats.checkpoints.named_arrays` name: fused
+projections by part)."""
 
 
 def _bounds(index, shape) -> tuple[slice, ...]:
@@ -34,7 +34,7 @@ def _fused_reader(prefix: str, suffix: str, widths: tuple[int, ...], groups: int
   """Reads a column range of a fused parameter stored in `groups` column groups from its parts."""
   canonical = layers.group_columns(np.arange(sum(widths))[None], widths, groups)[0]
   starts = np.cumsum((0,) + widths[:-1])
-  names = [prefix + part for part in checkpoints.FUSED[suffix]]
+  names = [prefix + part for part in layers.FUSED[suffix]]
   def run(rows: slice, cols: slice) -> np.ndarray:
     ids = canonical[cols]
     pieces, begin = [], 0
@@ -74,7 +74,7 @@ def sharded_model(abstract: nnx.Module, plan: layout.Plan, shape: layers.LayerSh
     if widths is None:
       part = lambda index: read(name, _bounds(index, leaf.shape))
     else:
-      suffix = next(s for s in checkpoints.FUSED if name.endswith(s))
+      suffix = next(s for s in layers.FUSED if name.endswith(s))
       fused = _fused_reader(name[:-len(suffix)], suffix, widths, groups, read)
       part = lambda index: fused(*_bounds(index, leaf.shape))
     sharding = plan.sharding(layout.param_spec(name, plan))

@@ -17,8 +17,8 @@ from flax import nnx
 
 from dspark_jax.models import draft as dm
 from dspark_jax.models import layers
+from dspark_jax.models import layout
 from dspark_jax.models import target as tm
-from dspark_jax.parallel import layout
 
 
 def make_mesh(tp: int, dp: int = 1, *, devices=None) -> jax.sharding.Mesh:

@@ -2,7 +2,7 @@
 
 This module owns the rule that ``<|endoftext|>`` has id 0 (it ends every training file, and is the
 shipped models' EOS) and ``<|mask|>`` id 1 (the DSpark block filler). Training a tokenizer
-(`dspark_jax.train.data`) and loading the shipped one (`dspark_jax.models.shipped`) both keep it.
+(`dspark_jax.train.data`) and loading the shipped one (`dspark_jax.formats.shipped`) both keep it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ in the order transformers' ``generate`` and DeepSpec's evaluator look for them:
 ``generation_config.json``'s ``eos_token_id``, else ``config.json``'s, else the tokenizer's
 ``eos_token``. `Tokenizer.stop_token_ids` is the union of all three (no id twice, that order).
 
-The shipped pair's tokenizer (`dspark_jax.models.shipped`) is a `Tokenizer` built with
+The shipped pair's tokenizer (`dspark_jax.formats.shipped`) is a `Tokenizer` built with
 `Tokenizer.from_backend`; only there do ``<|endoftext|>`` = 0 and ``<|mask|>`` = 1 hold
 (`dspark_jax.text.byte_bpe`). Loaded models take every id from their files.
 """

@@ -1,0 +1,40 @@
+"""The compile cache of the decode programs: each compiled once per process and shape.
+
+This module owns `_COMPILED` and `compiled`: a program (the fixed batch's decode, the queue's
+refill and chunk) compiled ahead of time for its arguments' shapes and dtypes and its static
+keywords, so calls in the same padding buckets never recompile (a schedule is part of the key by
+identity: reuse the object), and `compiled_programs`, their count (for compile guards).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+_COMPILED: dict[tuple, Any] = {}
+"""Compiled decode programs of this process, keyed by everything that fixes their shape."""
+
+
+def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
+  """`fn` compiled ahead of time for `args`' shapes and dtypes and the `statics` keywords, from
+  `_COMPILED` when it holds that program; and the seconds spent compiling it here (0 when cached).
+  `donate`: positions of arguments whose buffers the program may reuse for its outputs."""
+  shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), args)
+  signature = (getattr(fn, "__qualname__", repr(fn)), str(jax.tree_util.tree_structure(shapes)),
+               str(jax.tree.leaves(shapes)), tuple(statics.items()), donate)
+  program = _COMPILED.get(signature)
+  if program is not None:
+    return program, 0.0
+  start = time.perf_counter()
+  program = jax.jit(fn, static_argnames=tuple(statics), donate_argnums=donate).lower(
+      *args, **statics).compile()
+  _COMPILED[signature] = program
+  return program, time.perf_counter() - start
+
+
+def compiled_programs() -> int:
+  """How many decode programs this process has compiled (for compile guards)."""
+  return len(_COMPILED)

@@ -1,0 +1,220 @@
+"""The slots of the queue-driven decode: their loop state and the two programs that run them.
+
+This module owns the device side of `decoding.queue.Engine` and the host arrays a refill takes:
+
+* the state of S idle slots (`_empty_state`, `_trace_buffers`): the loop state of `loop.iteration`
+  with every per-row entry (leading axis S) zeroed and done, the global entries (`GLOBAL_KEYS`)
+  fresh; the caches (`CACHE_KEYS`) are written only through `SlotCaches`;
+* the *refill* (`_refill_program`): prefills K new prompts (right-padded to a length bucket T, K a
+  power of two up to S, so one program per (K, T) bucket and never one per prompt length; a group
+  with a prompt over ``prefill_chunk`` positions is padded to the slot's capacity and prefilled in
+  passes of that many, so all such groups of K rows share one program: `_group_prompts`) with the
+  same `rounds._prefill` as `generate`, and writes their rows into the chosen slots (`SlotCaches`
+  for the caches, a scatter for every other per-row array: tokens, counts, flags, per-row sampling
+  parameters, budgets, stop ids and sequences); a resumed (preempted) row takes its saved state
+  (`_saved_rows`) and recomputes only its caches;
+* the *chunk* (`_chunk_program`): a `lax.while_loop` of the usual iterations (`loop.iteration`)
+  that runs until ``rounds_per_call`` iterations have run, every slot is idle, or at least
+  ``need`` slots are free (``need`` = min(``refill_at``, prompts still queued); with the queue
+  empty it never stops for a free slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding import loop
+from dspark_jax.decoding.requests import MIN_BUCKET, bucket
+from dspark_jax.decoding.rounds import _prefill
+from dspark_jax.paging import cache as paging
+
+GLOBAL_KEYS = ("rounds", "reached", "accepted", "schedule", "trace")
+"""Loop-state entries shared by the batch; every other entry is per row (leading axis S)."""
+CACHE_KEYS = ("cache", "context")
+"""Loop-state entries that are caches, written only through `SlotCaches`."""
+
+
+class SlotCaches:
+  """How a slot's caches are written when it takes a new prompt.
+
+  `admit(cache, fresh, slots, table)` returns the state's cache with the K prefilled rows' caches
+  `fresh` (from `rounds._prefill`) in slots `slots` ([K] int32; entries >= S are padding and
+  dropped):
+
+  * contiguous caches (pytrees of [S, ...] arrays, a slot one row): a scatter of whole rows, so
+    nothing of the slot's previous prompt is left;
+  * paged caches (`paging.cache.PagedKV`): the prefill already wrote the rows into the shared
+    pools through their slots' table rows (`paged_rows`), so `fresh` holds the whole pools; the
+    result is those pools with the host's full block table `table` ([S, max_pages]).
+  """
+
+  @staticmethod
+  def admit(cache, fresh, slots, table=None):
+    if isinstance(cache, paging.PagedKV):
+      return dataclasses.replace(fresh, table=table)
+    return jax.tree.map(lambda old, new: old.at[slots].set(new.astype(old.dtype), mode="drop"),
+                        cache, fresh)
+
+  @staticmethod
+  def paged_rows(cache, table, slots):
+    """`cache` (a `PagedKV`) with the table rows of `slots` ([K]; entries >= S get no pages), the
+    cache a K-row prefill writes through."""
+    count = table.shape[0]
+    mine = table[jnp.minimum(slots, count - 1)]
+    mine = jnp.where((slots < count)[:, None], mine, paging.UNALLOCATED)
+    return dataclasses.replace(cache, table=mine)
+
+
+def _admit(state, inputs, fresh, new_inputs, slots, table=None):
+  """The state and per-row inputs with the K prefilled rows `fresh`/`new_inputs` written into
+  `slots`; per-row entries `fresh` lacks (counts a prefill does not start) become zeros."""
+  out = dict(state)
+  for name, value in state.items():
+    if name in GLOBAL_KEYS:
+      continue
+    if name in CACHE_KEYS:
+      out[name] = SlotCaches.admit(value, fresh[name], slots, table)
+      continue
+    new = fresh.get(name)
+    if new is None:
+      new = jnp.zeros((slots.shape[0],) + value.shape[1:], value.dtype)
+    out[name] = value.at[slots].set(new.astype(value.dtype), mode="drop")
+  inputs = jax.tree.map(lambda old, new: old.at[slots].set(new.astype(old.dtype), mode="drop"),
+                        inputs, new_inputs)
+  return out, inputs
+
+
+def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_lens, new_inputs,
+                    slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len,
+                    prefill_chunk):
+  """Prefills K prompts ([K, T]) and admits them into `slots` (module docstring).
+
+  Paged caches (`table`: the host's [S, max_pages] block table, else None): the prefill writes
+  through the slots' table rows. `saved` (per-row state entries, [K, ...] each, or None) and
+  `resume` ([K] bool): a resumed row (a preempted one, `prompt` its prompt and committed tokens
+  but the last) takes its saved state instead of the prefill's; only its caches are recomputed.
+  """
+  target = nnx.merge(target_def, target_state)
+  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  caches = {}
+  if table is not None:
+    caches = {name: SlotCaches.paged_rows(state[name], table, slots)
+              for name in CACHE_KEYS if name in state}
+  fresh = _prefill(target, draft, prompt, prompt_lens, new_inputs["max_new"], new_inputs["rows"],
+                   new_inputs["stop_ids"], key, cache_len, out_len, new_inputs["stop_seqs"],
+                   cache=caches.get("cache"), context=caches.get("context"), chunk=prefill_chunk)
+  if saved is not None:
+    fresh = dict(fresh)
+    for name, value in saved.items():
+      base = fresh.get(name, jnp.zeros(value.shape, value.dtype))
+      mask = resume.reshape(resume.shape + (1,) * (value.ndim - 1))
+      fresh[name] = jnp.where(mask, value.astype(base.dtype), base)
+  return _admit(state, inputs, fresh, new_inputs, slots, table)
+
+
+def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *, target_def,
+                   draft_def, path, store_logits, backend, schedule, rounds_per_call):
+  """Up to `rounds_per_call` iterations; stops early once every slot is done or `need` are.
+  Slots `idle` ([S] bool: holding no prompt, e.g. one just preempted) are done.
+
+  With a ``trace`` entry in `state` (`Engine.trace`: buffers of ``rounds_per_call`` rounds), the
+  chunk's iteration i is recorded at index i: the round counter runs from 0 inside the chunk and is
+  restored to the global count after it (it keys nothing else without a stateful schedule).
+
+  Returns ``(state, iterations run, busy slot-iterations)``."""
+  state = dict(state, done=state["done"] | idle)
+  traced = "trace" in state
+  start = state["rounds"]
+  if traced:
+    state = dict(state, rounds=jnp.zeros_like(start))
+  target = nnx.merge(target_def, target_state)
+  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  body = loop.iteration(target, draft, path, inputs["max_new"], inputs["rows"], inputs["stop_ids"],
+                        inputs["stop_seqs"], key, store_logits=store_logits, backend=backend,
+                        schedule=schedule)
+
+  def more(carry):
+    state, i, _ = carry
+    done = state["done"]
+    return (i < rounds_per_call) & jnp.any(~done) & (jnp.sum(done, dtype=jnp.int32) < need)
+
+  def step(carry):
+    state, i, busy = carry
+    return body(state), i + 1, busy + jnp.sum(~state["done"], dtype=jnp.int32)
+
+  state, i, busy = jax.lax.while_loop(more, step, (state, jnp.int32(0), jnp.int32(0)))
+  if traced:
+    state = dict(state, rounds=start + i)
+  return state, i, busy
+
+
+def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
+  """The [K, T] tokens and [K] lengths a refill prefills: each prompt, or for a resumed one its
+  prompt and committed tokens but the last (its anchor), right-padded to a length bucket T; to
+  `cache_len` when the longest is over `chunk` (a chunked prefill's passes follow the longest row,
+  so the padding costs nothing and every such refill of K rows is one program)."""
+  rows, row_lens = [], []
+  for i in (int(i) for i in index):
+    tokens = padded[i, :lens[i]]
+    if i in saved:
+      count = int(saved[i]["count"])
+      tokens = np.concatenate([tokens, np.asarray(saved[i]["out"][:count - 1], np.int32)])
+    rows.append(tokens)
+    row_lens.append(tokens.size)
+  width = min(bucket(max(row_lens), MIN_BUCKET), cache_len)
+  if chunk is not None and max(row_lens) > chunk:
+    width = cache_len
+  group = np.zeros((len(rows), width), np.int32)
+  for r, tokens in enumerate(rows):
+    group[r, :tokens.size] = tokens
+  return group, np.asarray(row_lens, lens.dtype)
+
+
+def _saved_rows(index, saved, state, light_keys):
+  """[K, ...] per-row state entries of the refill's rows: a resumed row's saved state, zeros for
+  a new one (the refill keeps the prefill's values there)."""
+  out = {}
+  for name in light_keys:
+    value = state[name]
+    rows = np.zeros((index.size,) + value.shape[1:], value.dtype)
+    for r, i in enumerate(int(i) for i in index):
+      if i in saved:
+        rows[r] = saved[i][name]
+    out[name] = rows
+  return out
+
+
+def _trace_buffers(rounds, slots_n, gamma):
+  """Zeroed `loop.RoundTrace` buffers (a dict) of `rounds` iterations over S slots."""
+  return {"confidence": jnp.full((rounds, slots_n, gamma), jnp.nan, jnp.float32),
+          "verify_lens": jnp.zeros((rounds, slots_n), jnp.int32),
+          "accept_len": jnp.zeros((rounds, slots_n), jnp.int32),
+          "active": jnp.zeros((rounds, slots_n), bool)}
+
+
+def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs):
+  """The loop state of S idle slots: every per-row entry zeroed and ``done``; the global entries
+  fresh (the schedule's `init` on S rows)."""
+  one = jax.tree.map(lambda x: x[:1].repeat(slots_n, 0), all_inputs)
+
+  def shapes():
+    prompt = jnp.zeros((slots_n, MIN_BUCKET), jnp.int32)
+    lens = jnp.ones((slots_n,), jnp.int32)
+    return _prefill(target, draft, prompt, lens, one["max_new"], one["rows"], one["stop_ids"],
+                    jax.random.key(0), cache_len, out_len, one["stop_seqs"])
+
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
+  state["done"] = jnp.ones((slots_n,), bool)
+  if draft is not None:
+    gamma = draft.config.gamma
+    state["row_reached"] = jnp.zeros((slots_n, gamma), jnp.int32)
+    state["row_hits"] = jnp.zeros((slots_n, gamma), jnp.int32)
+    if schedule is not None:
+      state["schedule"] = schedule.init(slots_n, gamma)
+      state["row_verified"] = jnp.zeros((slots_n,), jnp.int32)
+  return state
