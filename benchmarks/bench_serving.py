@@ -6,7 +6,7 @@ Work: ``--prompts`` prompts whose output lengths are drawn log-uniformly from ``
 ``max_new_tokens``, with no stop token, so every prompt decodes exactly its drawn length. The pair
 is the Qwen3-4B-shaped random pair of `bench_decode.build_models` (random prompts of
 ``--prompt-len`` tokens; random weights accept almost nothing, τ ≈ 1), or with ``--shipped`` the
-shipped trained pair (`models.shipped`) on its held-out prompts
+shipped trained pair (`formats.shipped`) on its held-out prompts
 (``dspark_jax/assets/heldout_prompts.json``, cycled), which accepts as trained. Rows sample at
 ``--temperature`` (default 0).
 
@@ -189,7 +189,7 @@ class Workload:
 
   def __init__(self, args):
     if args.shipped:
-      from dspark_jax.models import shipped
+      from dspark_jax.formats import shipped
       pair = shipped.load_shipped()
       self.target, self.draft = pair.target, pair.draft
       self.held_out = [pair.encode(t) for t in pair.prompts]
