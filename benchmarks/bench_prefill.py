@@ -9,8 +9,9 @@ For every (B, length) and every ``--chunks`` entry (``whole``: one pass) it repo
 
 * ms per prefill, the median of ``--repeats`` samples after ``--warmup``, every chunk size of a cell
   timed side by side in one loop (`harness.time_side_by_side`);
-* the compiled program's scratch memory (XLA's `memory_analysis`: its temporaries less the target's
-  and the draft's caches, which the program allocates: activations and attention scratch);
+* the compiled program's scratch memory (XLA's `memory_analysis`: its temporaries, which include
+  the target's and the draft's caches wherever XLA keeps them there, e.g. a one-pass prefill; the
+  attention's own scratch is bounded by `attention.attend_flash`'s tile, tested on the CPU);
 * the floor: the larger of the weights read once at `harness.floor_bandwidth` and the FLOPs at
   this run's matrix rate: 2 per target parameter per prompt token plus the causal attention's
   ``4·layers·B·N·D·T(T+1)/2`` (the scores and the weighted values of each query over its prefix).
@@ -72,8 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def program(target, draft, batch: int, length: int, chunk: int | None):
-  """A compiled prefill of [batch, length] prompts, its thunk, and its scratch bytes (less the
-  caches)."""
+  """A compiled prefill of [batch, length] prompts, its thunk, and its scratch bytes."""
   (t_def, t_state), (d_def, d_state) = nnx.split(target), nnx.split(draft)
   slots = tm.cache_slots(length + BUDGET)
 
@@ -89,9 +89,7 @@ def program(target, draft, batch: int, length: int, chunk: int | None):
   lens = jnp.full((batch,), length, jnp.int32)
   compiled = jax.jit(run).lower(t_state, d_state, prompt, lens).compile()
   stats = compiled.memory_analysis()
-  caches = harness.nbytes(jax.eval_shape(lambda: (tm.init_cache(target.config, batch, slots),
-                                                  draft.init_context(batch, slots))))
-  temp = None if stats is None else int(stats.temp_size_in_bytes) - caches
+  temp = None if stats is None else int(stats.temp_size_in_bytes)
   return (lambda: compiled(t_state, d_state, prompt, lens)), temp
 
 
