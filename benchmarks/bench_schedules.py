@@ -179,15 +179,15 @@ def main(argv=None) -> int:
       profile = sps_profile.profile_sps(target, draft, batch_size=batch, context=args.context,
                                         repeats=args.repeats, steps=4,
                                         draft_cost=kind == "round")
-      tables[kind] = profile.dense()
+      tables[kind] = profile   # the schedules take the profile: its table and its buckets
       print(f"B={batch}: {kind} steps/s per bucket {profile.table()}", flush=True)
     runs = [(name, kind) for name in args.schedules
             for kind in (args.sps if name in READS_SPS else args.sps[:1])]
     for name, kind in runs:
-      sps = tables[kind]
+      sps = tables[kind].dense()
       label = f"{name}@{kind}" if name in READS_SPS and len(args.sps) > 1 else name
       r = run_schedule(target, draft, batch, args.context, args.rates,
-                       make_schedule(name, sps, args.threshold), args)
+                       make_schedule(name, tables[kind], args.threshold), args)
       n = int(round(r["verify_tokens"] * batch))
       model = batch * r["tau"] * sps[min(max(n, 1), len(sps) - 1)]
       r.update(batch=batch, schedule=label, sps=kind, tokens_per_s=batch * r["tau"] / r["round_s"],

@@ -354,16 +354,16 @@ def throughput_study(work: Workload, args) -> list[dict]:
     count = max(args.per_slot * c, args.min_prompts)
     budgets = output_lengths(count, low, high, args.seed + c)
     prompts = work.prompts(count, args.seed + c)
-    sps = None
+    profile = None
     if any(s != "fixed" for s in args.schedules):
       context = int(np.mean([len(p) for p in prompts])) + low
       profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
                                repeats=args.repeats, steps=4)
-      sps = profile.dense()
       print(f"c={c}: packed verify per bucket {profile.table()} verifies/s", flush=True)
     for name in args.schedules:
-      schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(sps),
-                  "prefix": lambda: dj.schedules.prefix(sps)}[name]
+      # The profile itself: its table, and the buckets faster than every larger one.
+      schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(profile),
+                  "prefix": lambda: dj.schedules.prefix(profile)}[name]
       engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=work.max_seq_len,
                          schedule=work.schedule(schedule() if schedule else None),
                          refill_at=args.refill_at,

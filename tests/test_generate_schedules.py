@@ -194,8 +194,10 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   assert set(profile.table()) == {1, 4, 5, 6}
   dense = schedules.load_sps(path)
   np.testing.assert_allclose(dense[[1, 4, 5, 6]], profile.steps_per_second, rtol=1e-12)
-  step = profile.dense()
-  np.testing.assert_array_equal(step[1:], profile.steps_per_second[[0, 1, 1, 1, 2, 3]])
+  step = profile.dense()   # n tokens at the best rate of any size that holds them
+  best = np.maximum.accumulate(profile.steps_per_second[::-1])[::-1]
+  np.testing.assert_array_equal(step[1:], best[[0, 1, 1, 1, 2, 3]])
+  assert profile.buckets() is None   # explicit sizes: not one batch's buckets
   buckets = dj.profile_sps(target, draft, batch_size=ROWS, context=8, repeats=1, steps=1)
   np.testing.assert_array_equal(buckets.batch_tokens, decoding.packing.token_buckets(
       ROWS, GAMMA + 1))

@@ -479,3 +479,35 @@ def test_prefix_fills_token_buckets_instead_of_stalling_at_their_boundary():
   assert np.all(lens == gamma + 1)
   budget = batched(S.top_k(sps, lag=0), c[None], active[None])[0]
   assert np.all(budget == gamma + 1)
+
+
+def _profile(sizes, rates, rows, gamma=7):
+  from dspark_jax.scheduling import profile
+  n = len(sizes)
+  return profile.SpsProfile(
+      batch_tokens=np.asarray(sizes, np.int64), steps_per_second=np.asarray(rates, np.float64),
+      rows=np.full(n, rows, np.int64), seconds=np.ones((n, 1)), context=8, gamma=gamma, steps=1,
+      device="test", date="2026-12-06")
+
+
+def test_a_bucket_slower_than_a_larger_one_packs_into_the_larger():
+  """The H100's B = 16 buckets (2026-12-06): 96 tokens measured 131.8 verifies/s, the dense 128
+  138.1. The table a profile gives never costs more for fewer tokens, the decoding loop packs into
+  the buckets faster than every larger one, and a schedule built from the profile carries them."""
+  from dspark_jax.decoding import rounds
+  sizes = (16, 32, 48, 64, 96, 128)
+  rates = (157.0, 150.0, 145.0, 140.0, 131.8, 138.1)
+  profile = _profile(sizes, rates, rows=16)
+  table = profile.dense()
+  assert len(table) == 129 and np.all(np.diff(table[1:]) <= 0)   # non-increasing rate in n
+  assert table[16] == 157.0 and table[17] == 150.0 and table[65] == 138.1 and table[97] == 138.1
+  assert profile.buckets() == (16, 32, 48, 64, 128)
+  for make in (schedules.prefix, lambda p: schedules.top_k(p, lag=2)):
+    schedule = make(profile)
+    assert schedule.buckets == (16, 32, 48, 64, 128)
+    assert rounds._buckets(schedule, 16, 8) == (16, 32, 48, 64, 128)
+    assert rounds._buckets(schedule, 8, 8) is None   # another batch: the default buckets
+  assert schedules.prefix(table).buckets is None and rounds._buckets(schedules.fixed(), 16, 8) is None
+  # Planted: every bucket slower than the dense one keeps only the dense forward.
+  assert _profile(sizes, (100, 100, 100, 100, 100, 200), rows=16).buckets() == (128,)
+  assert _profile((6, 16), (1.0, 2.0), rows=3, gamma=7).buckets() is None  # not 3 rows' buckets

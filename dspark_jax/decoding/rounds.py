@@ -239,6 +239,15 @@ def _verify_lens(schedule, state, confidence, active, gamma):
   return jnp.clip(jnp.asarray(lens, jnp.int32), 1, gamma + 1), schedule_state
 
 
+def _buckets(schedule, batch: int, width: int) -> tuple[int, ...] | None:
+  """The schedule's token buckets (`Schedule.buckets`) where they are this batch's (the last is
+  B·W), else None (`packing.token_buckets`)."""
+  buckets = getattr(schedule, "buckets", None)
+  if buckets and int(buckets[-1]) == batch * width:
+    return tuple(int(n) for n in buckets)
+  return None
+
+
 def _record(trace, index, confidence, lens, accept_len, active):
   """The trace buffers with round `index` written (verify lengths and runs 0 for inactive rows)."""
   put = lambda buffer, value: jax.lax.dynamic_update_index_in_dim(
@@ -265,7 +274,8 @@ def _after_proposal(target, draft, state, tokens, corrected, max_new, rows, stop
     logits, features, cache = target(verify_in, positions, state["cache"])
   else:  # only the scheduled tokens: the forward's cost follows them (`packing`)
     logits, features, cache = packing.packed_verify(target, verify_in, positions,
-                                                    jnp.where(active, lens, 0), state["cache"])
+                                                    jnp.where(active, lens, 0), state["cache"],
+                                                    _buckets(schedule, *verify_in.shape))
   result = verification.verify_arrays(
       logits, tokens, corrected, rows["temperature"], rows["greedy"], rows["temperature"],
       rows["top_k"], rows["top_p"], rows["seeds"], anchor_pos, lens, stop_ids, key,

@@ -69,13 +69,29 @@ class SpsProfile:
   draft_seconds: np.ndarray | None = None
 
   def dense(self) -> np.ndarray:
-    """The dense ``sps`` the schedules take: ``sps[m]`` = the rate measured at the smallest size
-    n >= m (a packed verify of m tokens runs in that bucket), for m up to the largest size."""
+    """The dense ``sps`` the schedules take: ``sps[m]`` = the best rate measured at any size
+    n >= m, for m up to the largest size. A packed verify of m tokens runs in the fastest bucket
+    that holds it (`buckets`): where a bucket measured slower than a larger one, its tokens pack
+    into the larger one, so the table's cost never rises as m falls."""
     sizes = self.batch_tokens.astype(np.int64)
+    best = np.maximum.accumulate(self.steps_per_second[::-1])[::-1]   # best rate at sizes >= n
     table = np.zeros(int(sizes[-1]) + 1, np.float64)
     index = np.searchsorted(sizes, np.arange(1, sizes[-1] + 1))
-    table[1:] = self.steps_per_second[index]
+    table[1:] = best[index]
     return table
+
+  def buckets(self) -> tuple[int, ...] | None:
+    """The token buckets a decoding loop of these rows should pack into: the measured sizes
+    faster than every larger one (the largest, every row whole, always), ascending; with these,
+    a verify of m tokens runs at `dense`'s rate. None for a profile of explicit ``batch_tokens``
+    (not one batch's buckets)."""
+    sizes = self.batch_tokens.astype(np.int64)
+    rows = np.unique(self.rows)
+    if rows.size != 1 or int(sizes[-1]) != int(rows[0]) * (self.gamma + 1):
+      return None
+    rates = self.steps_per_second
+    faster = [i for i in range(len(sizes)) if i == len(sizes) - 1 or rates[i] > rates[i + 1:].max()]
+    return tuple(int(sizes[i]) for i in faster)
 
   def table(self) -> dict[int, float]:
     """{batch tokens: steps per second}."""
@@ -200,7 +216,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
 
   Returns:
     An `SpsProfile`; `SpsProfile.dense` is the dense ``sps`` the schedules take (a saved file
-    read by ``schedules.load_sps`` interpolates between the sizes instead).
+    read by ``schedules.load_sps`` interpolates between the sizes instead). Pass the profile
+    itself to `schedules.prefix` / `schedules.top_k` and they also pack into its `buckets`.
 
   Raises:
     ValueError: bad sizes or settings (naming the argument), no γ, a γ that differs from the

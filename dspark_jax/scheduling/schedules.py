@@ -85,15 +85,19 @@ from dspark_jax import validation
 
 
 class Schedule(NamedTuple):
-  """A verify-length schedule as two pure functions.
+  """A verify-length schedule as two pure functions, and the token buckets its table assumes.
 
   Attributes:
     init: ``init(batch_size, gamma) -> state``, a pytree of arrays with static shapes.
     update: ``update(confidence [B, γ], active [B] bool, state) -> (verify_lens [B] int32, state)``.
+    buckets: the static token counts the packed verify packs into, ascending, the last B·(γ + 1)
+      (a profile's `SpsProfile.buckets`: the sizes its table was measured at that are faster than
+      every larger one); None, or a set for another batch: `decoding.packing.token_buckets`.
   """
 
   init: Callable[[int, int], Any]
   update: Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+  buckets: tuple[int, ...] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -144,6 +148,14 @@ def _check_update(confidence, active) -> tuple[jax.Array, jax.Array]:
   c = jnp.asarray(confidence).astype(jnp.float32)
   c = jnp.where(jnp.isnan(c), jnp.float32(0), jnp.clip(c, 0, 1))
   return c, jnp.asarray(active)
+
+
+def _table_and_buckets(sps) -> tuple[np.ndarray, tuple[int, ...] | None]:
+  """A table argument -> (the checked dense table, the buckets to pack into or None): an
+  `SpsProfile` gives its `dense` table and its `buckets`; an array, itself and None."""
+  if callable(getattr(sps, "dense", None)) and callable(getattr(sps, "buckets", None)):
+    return _check_sps(sps.dense()), sps.buckets()
+  return _check_sps(sps), None
 
 
 def _check_sps(sps) -> np.ndarray:
@@ -349,16 +361,17 @@ def prefix(sps) -> Schedule:
 
   Args:
     sps: 1-D table, ``sps[n]`` = verify steps per second at n batch tokens; ``sps[n]`` for n ≥ 1 must
-      be finite and > 0 (``sps[0]`` is not read).
+      be finite and > 0 (``sps[0]`` is not read). Or an `SpsProfile` (`profile_sps`): its `dense`
+      table, and the decoding loop packs into its `buckets` (`Schedule.buckets`).
   """
-  table = _check_sps(sps)
+  table, buckets = _table_and_buckets(sps)
 
   def update(confidence, active, state):
     _check_empty_state(state)
     c, active = _check_update(confidence, active)
     return _prefix_lens(c, active, *_fit_table(table, *c.shape)), state
 
-  return Schedule(_empty_init, update)
+  return Schedule(_empty_init, update, buckets)
 
 
 def top_k(sps, lag: int = 2) -> Schedule:
@@ -371,13 +384,13 @@ def top_k(sps, lag: int = 2) -> Schedule:
   candidates when there are fewer than K).
 
   Args:
-    sps: 1-D throughput table (see `prefix`).
+    sps: 1-D throughput table, or an `SpsProfile` (see `prefix`).
     lag: rounds between the survivals that set the budget and the round that uses it; an integer
       ≥ 0. ``lag = 0`` is the anticipating search of the paper's Appendix A: NOT lossless.
 
   State: `TopKState` (``history`` [lag, B, γ] float32).
   """
-  table = _check_sps(sps)
+  table, buckets = _table_and_buckets(sps)
   lag = validation.check_nonnegative_int("lag", lag)
 
   def init(batch_size, gamma):
@@ -397,7 +410,7 @@ def top_k(sps, lag: int = 2) -> Schedule:
                                 *_fit_table(table, batch, gamma))
     return lens, TopKState(history=history)
 
-  return Schedule(init, update)
+  return Schedule(init, update, buckets)
 
 
 # ---- the throughput table -------------------------------------------------------------------------
