@@ -17,6 +17,13 @@ else:  # pytest's workers (pytest-xdist) share the GPU: none may take most of it
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
+# On the CPU most of a test's time is XLA compiling tiny programs, and most of that is LLVM's
+# optimisation of the generated code. The test programs are too small for it to pay: compile them
+# at LLVM's lowest level (the same HLO, the same arithmetic: no verdict changes). Subprocesses
+# (notebooks, the CLI) inherit it.
+if os.environ.get("DSPARK_TEST_GPU") != "1" and "xla_backend_optimization_level" not in \
+    os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # The backend a test asks for, not one forced from the environment (tests that need the variable
 # set it themselves); likewise the memory gate's mode and the attention implementation.
 os.environ.pop("DSPARK_JAX_BACKEND", None)

@@ -378,11 +378,8 @@ def test_two_consumer_sampling_kernel_agrees_with_one_consumer():
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("consumers", [1, pytest.param(2, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("consumers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sampling_kernel_walks_the_tiles_backwards_on_request(consumers):
-  # Two consumers run on the GPU only (12-22 s in the CPU's interpreter, a combination of two
-  # features tested there on their own: the one-consumer reversed walk here, and the two-consumer
-  # kernel against one consumer, `test_two_consumer_sampling_kernel_agrees_with_one_consumer`).
   # ``reverse=True`` (the odd steps of a serpentine block): V = 1280, ten 128-column tiles over 4
   # instances (3 visits each), 128 rows with a tie across tiles 0 and 9 and greedy and sampled
   # rows. The corrected logits are the forward walk's (within one bf16 ulp: another compiled

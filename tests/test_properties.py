@@ -41,8 +41,8 @@ def test_sample_step_invariants(batch, vocab, scale, data_seed):
   np.testing.assert_array_equal(reverse, tokens[::-1])
 
 
-@pytest.mark.slow  # 15 examples, each compiling a folded and an eager program: 8-10 s
-@settings(SETTINGS, max_examples=15)
+@pytest.mark.slow  # 25 examples, each compiling a folded and an eager program
+@SETTINGS
 @given(kind=st.sampled_from(["vanilla", "gated", "rnn"]), batch=st.integers(1, 5),
        gamma=st.integers(1, 5), vocab=st.sampled_from([2, 5, 33]), rank=st.sampled_from([1, 4]),
        greedy_rows=st.integers(0, 5), data_seed=st.integers(0, 2**16))

@@ -86,10 +86,9 @@ def reference(pair):
       "params": (greedy, sampled)}
 
 
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2, 8])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                pytest.param(4, marks=pytest.mark.slow), 8])
 def test_greedy_generate_equals_one_device(pair, reference, tp):
-  # TP 4 decodes in test_sampled_rows_and_data_parallel_replicas_equal_one_device (TP 4 x DP 2,
-  # a greedy row among sampled ones) and across two processes (test_two_processes_...).
   target, draft = pair
   sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(tp))
   greedy, _ = reference["params"]
