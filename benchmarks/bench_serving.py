@@ -27,12 +27,15 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   tokens/s, peak pages and preemptions.
 * **Throughput** (``throughput``): at each concurrency c of ``--concurrency`` (default 1, 4, 16,
   64, 128, 256), ``--per-slot`` × c prompts (at least ``--min-prompts``) of the same length law
-  through c slots, under each schedule of ``--schedules`` (``fixed``; ``top_k`` and ``prefix`` with
-  the throughput table ``dj.profile_sps(target, draft, batch_size=c)`` measured at that c, at the
-  mean prompt length + LO as context). Reported: tokens/s per GPU (all tokens over the run's
-  seconds), tokens/s per user (the mean over prompts of a prompt's tokens over its seconds in a
-  slot, admission to finish), τ, verify tokens per round, occupancy and the mean time to first
-  token (from the start of the run, queueing included).
+  through c slots (``--kv paged``: in one page pool), under each of ``--schedules``: ``plain``
+  (no speculation), ``fixed``, ``threshold`` (``--threshold``), ``top_k`` and ``prefix`` with the
+  round table ``dj.profile_sps(target, draft, batch_size=c, draft_cost=True)`` measured at that c
+  (at the mean prompt length + LO as context; the schedules pack into its buckets). Reported:
+  tokens/s per GPU (all tokens over the run's seconds), tokens/s per user (the mean over prompts
+  of a prompt's tokens over its seconds in a slot, admission to finish), τ, verify tokens per row
+  and round, occupancy, the mean time to first token (from the start of the run, queueing
+  included), the cost model's tokens/s (busy rows × τ × the round table's rate at their verify
+  tokens; measured / model in the table) and the warm-up's seconds (compilation) apart.
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
@@ -48,12 +51,16 @@ tokens/s).
   python -m benchmarks.bench_serving --studies occupancy --slots 64 --json occupancy.json
   python -m benchmarks.bench_serving --shipped --studies throughput --json serving.json
   python -m benchmarks.bench_serving --synthetic --studies throughput --json synthetic.json
+  python -m benchmarks.bench_serving --synthetic --studies throughput --kv paged \
+      --concurrency 1,16,64,128,256 --prompt-lengths 128,1024 --lengths 64,2048 --per-slot 1 \
+      --repeats 1 --json sweep.json                                  # the serving sweep
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import jax
 import numpy as np
@@ -65,7 +72,9 @@ from benchmarks import synthetic
 from dspark_jax.models import target as tm
 
 STUDIES = ("occupancy", "memory", "throughput")
-SCHEDULES = ("fixed", "top_k", "prefix")
+SCHEDULES = ("plain", "fixed", "threshold", "top_k", "prefix")
+"""The throughput study's runs: plain decoding (no speculation), then the verify schedules."""
+TABLE_SCHEDULES = ("top_k", "prefix")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,6 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--prompt-len", type=int, default=None,
                       help="random pair: prompt tokens, each prompt drawn in [len/2, len] "
                            "(default 128; --small: 8)")
+  parser.add_argument("--prompt-lengths", type=harness.int_list, default=None,
+                      help="random pair: LO,HI: prompt lengths uniform in [LO, HI] instead "
+                           "(the serving sweep: 128,1024)")
+  parser.add_argument("--kv", choices=("contiguous", "paged"), default="contiguous",
+                      help="throughput study: the slots' caches (paged: 256 rows of the 4B "
+                           "shape fit an 80 GB card)")
+  parser.add_argument("--threshold", type=float, default=0.7,
+                      help="throughput study: t of the threshold schedule (default 0.7)")
   parser.add_argument("--slots", type=int, default=None,
                       help="S of the occupancy run (default 64; --small: 4)")
   parser.add_argument("--memory-rows", type=int, default=None,
@@ -112,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="throughput study: at least this many prompts (default 32; --small: 4)")
   parser.add_argument("--schedules", default=None,
                       help=f"comma list of {', '.join(SCHEDULES)} (default all; --small: "
-                           "fixed,top_k)")
+                           "plain,fixed,top_k)")
   parser.add_argument("--refill-at", type=int, default=1,
                       help="the engine returns to the host once this many slots are free "
                            "(`dj.Engine.refill_at`, default 1)")
@@ -137,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   if small and args.repeats == 3:
     args.repeats = 1
   args.studies = [s.strip() for s in args.studies.split(",") if s.strip()]
-  args.schedules = [s.strip() for s in (args.schedules or ("fixed,top_k" if small else
+  args.schedules = [s.strip() for s in (args.schedules or ("plain,fixed,top_k" if small else
                                                            ",".join(SCHEDULES))).split(",")
                     if s.strip()]
   for flag, values, known in (("--studies", args.studies, STUDIES),
@@ -145,7 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [v for v in values if v not in known]
     if bad or not values:
       parser.error(f"{flag}: unknown {bad[0] if bad else values!r}; known: {', '.join(known)}")
-  for flag, pair in (("--lengths", args.lengths), ("--memory-lengths", args.memory_lengths)):
+  for flag, pair in (("--lengths", args.lengths), ("--memory-lengths", args.memory_lengths),
+                     ("--prompt-lengths", args.prompt_lengths or [1, 1])):
     if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
       parser.error(f"{flag}: expected LO,HI with 1 <= LO <= HI, got {pair}")
   if args.synthetic is not None:
@@ -203,10 +221,10 @@ class Workload:
       self.target = synthetic.synthetic_target(self.target, self.rates)
       self.name += (f", synthetic acceptance c = {','.join(map(str, self.rates))} "
                     f"(τ {synthetic.expected_tau(self.rates):.2f} at a full verify)")
-    self.prompt_len = args.prompt_len
+    self.prompt_lengths = args.prompt_lengths or [max(args.prompt_len // 2, 1), args.prompt_len]
     self.vocab = self.target.config.vocab_size
     # The longest possible prompt + HI for every engine: engines of equal S share their programs.
-    self.longest = max(map(len, self.held_out)) if self.held_out else args.prompt_len
+    self.longest = max(map(len, self.held_out)) if self.held_out else self.prompt_lengths[1]
     self.max_seq_len = self.longest + args.lengths[1]
 
   def schedule(self, schedule):
@@ -217,7 +235,7 @@ class Workload:
     if self.held_out is not None:
       return [self.held_out[i % len(self.held_out)] for i in range(count)]
     rng = np.random.default_rng(seed + 1)
-    lens = rng.integers(max(self.prompt_len // 2, 1), self.prompt_len + 1, count)
+    lens = rng.integers(self.prompt_lengths[0], self.prompt_lengths[1] + 1, count)
     return [rng.integers(0, self.vocab - 1, n).tolist() for n in lens]
 
 
@@ -347,37 +365,61 @@ def memory_study(work: Workload, args) -> dict:
 # ---- tokens/s per GPU against per user -----------------------------------------------------------
 
 
+def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
+  """The cost model's tokens/s for a run: the mean busy rows (occupancy × c) times τ times the
+  round table's rate at the tokens they verify (busy rows × verify tokens per row and round);
+  None without a table (plain decoding)."""
+  if table is None:
+    return None
+  rows = max(r["occupancy"] * concurrency, 1e-9)
+  tokens = int(np.clip(round(rows * r["verify_tokens"]), 1, len(table) - 1))
+  return rows * r["tau"] * float(table[tokens])
+
+
 def throughput_study(work: Workload, args) -> list[dict]:
+  """Tokens/s per GPU and per user at each concurrency, for plain decoding and each schedule
+  (module docstring); each run's first call (its compilation) is timed apart."""
   low, high = args.lengths
   results = []
   for c in args.concurrency:
     count = max(args.per_slot * c, args.min_prompts)
     budgets = output_lengths(count, low, high, args.seed + c)
     prompts = work.prompts(count, args.seed + c)
-    profile = None
-    if any(s != "fixed" for s in args.schedules):
+    profile = table = None
+    if any(s != "plain" for s in args.schedules):
+      # The round table (verify + draft forward, the paper's engine steps): the schedules'
+      # table and the cost model of every speculative run.
       context = int(np.mean([len(p) for p in prompts])) + low
       profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
-                               repeats=args.repeats, steps=4)
-      print(f"c={c}: packed verify per bucket {profile.table()} verifies/s", flush=True)
+                               repeats=args.repeats, steps=4, draft_cost=True)
+      table = profile.dense()
+      print(f"c={c}: rounds/s per verify bucket {profile.table()}", flush=True)
     for name in args.schedules:
-      # The profile itself: its table, and the buckets faster than every larger one.
-      schedule = {"fixed": None, "top_k": lambda: dj.schedules.top_k(profile),
-                  "prefix": lambda: dj.schedules.prefix(profile)}[name]
-      engine = dj.Engine(work.target, work.draft, max_batch_size=c, max_seq_len=work.max_seq_len,
-                         schedule=work.schedule(schedule() if schedule else None),
-                         refill_at=args.refill_at,
-                         rounds_per_call=args.rounds_per_call)
+      schedule = {"plain": lambda: None, "fixed": lambda: None,
+                  "threshold": lambda: dj.schedules.threshold(args.threshold),
+                  "top_k": lambda: dj.schedules.top_k(profile),   # its table and its buckets
+                  "prefix": lambda: dj.schedules.prefix(profile)}[name]()
+      engine = dj.Engine(work.target, None if name == "plain" else work.draft,
+                         max_batch_size=c, max_seq_len=work.max_seq_len, spec=name != "plain",
+                         schedule=work.schedule(schedule) if schedule else None,
+                         refill_at=args.refill_at, rounds_per_call=args.rounds_per_call,
+                         kv=args.kv)
       warm = min(count, 2 * c)
+      start = time.perf_counter()
       for _ in range(args.warmup):
         queue_run(engine, prompts[:warm], budgets[:warm], args.temperature)
+      first_s = time.perf_counter() - start
       runs = [queue_run(engine, prompts, budgets, args.temperature) for _ in range(args.repeats)]
       r = dict(_median_by_rate(runs), concurrency=c, schedule=name, prompts=count,
-               repeats=[x["tokens_per_s"] for x in runs])
+               repeats=[x["tokens_per_s"] for x in runs], warmup_s=first_s)
+      r["model_tokens_per_s"] = model_tokens_per_s(r, c, None if name == "plain" else table)
       results.append(r)
+      model = r["model_tokens_per_s"]
       print(f"  c={c} {name}: {r['tokens_per_s']:.0f} tokens/s per GPU, "
-            f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, occupancy "
-            f"{r['occupancy']:.3f}", flush=True)
+            f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, verify "
+            f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
+            f"{'-' if model is None else f'{model:.0f}'}, warm-up (compiling) {first_s:.1f} s",
+            flush=True)
   return results
 
 
@@ -418,9 +460,12 @@ def main(argv=None) -> int:
   if "throughput" in args.studies:
     results["throughput"] = throughput_study(work, args)
     for r in results["throughput"]:
+      model = r.get("model_tokens_per_s")
       rows.append(["throughput", str(r["concurrency"]), r["schedule"], f"{r['tokens_per_s']:.0f}",
                    f"{r['per_user_tokens_per_s']:.1f}", f"{r['tau']:.2f}",
-                   f"{r['occupancy']:.3f}", "—"])
+                   f"{r['occupancy']:.3f}",
+                   f"verify {r['verify_tokens']:.2f}/row, model "
+                   + ("-" if model is None else f"{model:.0f} ({r['tokens_per_s'] / model:.2f})")])
   title = (f"bench_serving ({meta['device_kind']}, {work.name}, output lengths log-uniform "
            f"{low}..{high}, no stop token, T = {args.temperature:g}; median of {args.repeats} "
            f"after {args.warmup} warm-up)")

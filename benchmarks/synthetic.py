@@ -135,4 +135,5 @@ def law_confidence(schedule: schedules.Schedule | None, rates: Sequence[float]
       raise ValueError(f"rates: {law.shape[0]} rates for a block of γ = {confidence.shape[-1]}")
     return schedule.update(jnp.broadcast_to(law, confidence.shape), active, state)
 
-  return schedules.Schedule(init=schedule.init, update=update)
+  return schedules.Schedule(init=schedule.init, update=update,
+                            buckets=getattr(schedule, "buckets", None))

@@ -169,13 +169,21 @@ def serving_points(document) -> dict[str, list[tuple[int, float, float]]]:
 
 
 def plot_serving(document, path: str | os.PathLike, *, title: str | None = None) -> str:
-  """tokens/s per GPU (y) against tokens/s per user (x), one line per schedule through its
-  concurrencies (each point labelled c), from a ``bench_serving`` JSON document or file
-  (`serving_points`). Saves a PNG; returns its path."""
+  """Two panels from a ``bench_serving`` JSON document or file (`serving_points`), one line per
+  schedule: tokens/s per GPU against concurrency, and tokens/s per GPU (y) against tokens/s per
+  user (x) through its concurrencies (each point labelled c). Saves a PNG; returns its path."""
   document = _read_document(document)
   curves = serving_points(document)
-  fig, axes = _figure(6, 4.2, 1, 1)
-  ax = axes[0][0]
+  fig, axes = _figure(11, 4.2, 1, 2)
+  left = axes[0][0]
+  for name, items in curves.items():
+    left.plot([c for c, _, _ in items], [g for _, _, g in items], marker="o", label=name)
+  left.set_xscale("log", base=2)
+  left.set_xlabel("concurrency (slots)")
+  left.set_ylabel("tokens/s per GPU")
+  left.grid(alpha=0.3, which="both")
+  left.legend(fontsize=7)
+  ax = axes[0][1]
   for name, items in curves.items():
     users = [u for _, u, _ in items]
     gpus = [g for _, _, g in items]
