@@ -401,10 +401,16 @@ def test_probe_decides_from_shapes_alone():
   # W1 and W2 would take 10.2 GB).
   import subprocess
   import sys
+  # The child's own peak: /proc's VmHWM belongs to the process image (reset by exec); getrusage's
+  # ru_maxrss keeps the forking parent's peak across exec, which made the verdict depend on how
+  # much the pytest worker had used before this test.
   script = ("import resource, sys; from dspark_jax.apps import cli; "
             "code = cli.main(['probe', '--max-batch-size', '2', '--vocab', '10000000', '--gamma', "
             "'2', '--mode', 'off']); "
-            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+            "lines = open('/proc/self/status').read().splitlines() if sys.platform == 'linux' "
+            "else []; hwm = [int(l.split()[1]) for l in lines if l.startswith('VmHWM:')]; "
+            "print('maxrss_kb', hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF)"
+            ".ru_maxrss); sys.exit(code)")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
