@@ -1,4 +1,3 @@
-import collections
 import os
 
 import pytest
@@ -33,18 +32,12 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 
 
 def pytest_collection_modifyitems(config, items):
-  """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Files run heaviest first
-  (`_file_weight`; pyproject's ``--no-loadscope-reorder`` keeps pytest-xdist from reordering them
-  by test count), so that the two workers, which take whole files (``--dist loadfile``), start
-  the long ones early and finish together rather than one of them ending on a lone notebook.
-  Tests marked `gpu` are skipped unless JAX's default backend is a GPU."""
+  """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
+  skipped unless JAX's default backend is a GPU. (Which worker takes which file is pytest-xdist's
+  choice: ``--dist loadfile`` hands out whole files, most tests first.)"""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
-  weight = collections.Counter()
-  for item in items:
-    weight[item.path] += _file_weight(item)
-  items.sort(key=lambda item: -weight[item.path])   # stable: a file's order is kept
   gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
   if not gpu_items:
     return
@@ -56,11 +49,3 @@ def pytest_collection_modifyitems(config, items):
                                  "host run with DSPARK_TEST_GPU=1)")
   for item in gpu_items:
     item.add_marker(skip)
-
-
-def _file_weight(item) -> int:
-  """A test's share of its file's expected time: 1, a `slow` test 8, a notebook (a whole study,
-  20-40 s on 2 cores) 30."""
-  if item.path.suffix == ".ipynb":
-    return 30
-  return 8 if item.get_closest_marker("slow") is not None else 1
