@@ -39,7 +39,9 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
-tokens/s).
+tokens/s). In the throughput study the warm-up's outputs are cut to 2 · ``--rounds-per-call`` ·
+(γ + 1) tokens (every program still runs), the scheduled runs of a concurrency share one compiled
+program (`SharedSchedules`), and ``--budget-s`` bounds the study: past it no new cell starts.
 
 * **Synthetic acceptance** (``--synthetic [c_1,...,c_γ]``, default `synthetic.DEFAULT_RATES`, τ ≈ 3.66
   at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
@@ -63,6 +65,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax as dj
@@ -135,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "(`dj.Engine.refill_at`, default 1)")
   parser.add_argument("--rounds-per-call", type=int, default=16,
                       help="iterations per chunk at most (`dj.Engine.rounds_per_call`, default 16)")
+  parser.add_argument("--budget-s", type=float, default=None,
+                      help="throughput study: start no new cell past this many seconds (the "
+                           "skipped cells are listed; default: no limit)")
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--gamma", type=int, default=None,
                       help="random pair: γ (default 7; with --synthetic, the number of rates)")
@@ -376,38 +382,108 @@ def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
   return rows * r["tau"] * float(table[tokens])
 
 
+class SharedSchedules:
+  """The verify schedules of one concurrency in one compiled program.
+
+  `schedule` is a `Schedule` whose state is ``(index, (state of each option))``; its update runs
+  the option at ``index`` (`jax.lax.switch`) and packs into `buckets`. The queue calls a
+  schedule's ``init`` on the host for every `Engine.generate` (`decoding.slots._empty_state`) and
+  keys its compiled programs by the schedule object, so `select` switches the schedule of the
+  next call with no recompilation. Every option gets fresh draft noise each round (the state has
+  leaves), which keeps each of them lossless.
+  """
+
+  def __init__(self, options: dict, buckets):
+    self.names = list(options)
+    self.pick = 0
+    members = list(options.values())
+
+    def init(batch_size, gamma):
+      return (np.int32(self.pick), tuple(m.init(batch_size, gamma) for m in members))
+
+    def update(confidence, active, state):
+      index, states = state
+
+      def branch(i):
+        def run(confidence, active, states):
+          lens, new = members[i].update(confidence, active, states[i])
+          return jnp.asarray(lens, jnp.int32), states[:i] + (new,) + states[i + 1:]
+        return run
+
+      lens, states = jax.lax.switch(index, [branch(i) for i in range(len(members))],
+                                    confidence, active, states)
+      return lens, (index, states)
+
+    self.schedule = dj.schedules.Schedule(init, update, buckets)
+
+  def select(self, name: str) -> None:
+    self.pick = self.names.index(name)
+
+
+def warm_budgets(budgets: np.ndarray, gamma: int, rounds_per_call: int) -> np.ndarray:
+  """The warm-up's output lengths: short enough to finish in a few chunks, long enough that
+  every program of the measured run (refill, chunk) runs and compiles."""
+  return np.minimum(budgets, 2 * rounds_per_call * (gamma + 1)).astype(budgets.dtype)
+
+
 def throughput_study(work: Workload, args) -> list[dict]:
   """Tokens/s per GPU and per user at each concurrency, for plain decoding and each schedule
-  (module docstring); each run's first call (its compilation) is timed apart."""
+  (module docstring). The scheduled runs of a concurrency share one program (`SharedSchedules`);
+  each engine's first call (its compilation) runs on short outputs and is timed apart. Past
+  ``--budget-s`` seconds the remaining cells are skipped (and listed)."""
   low, high = args.lengths
-  results = []
+  gamma = work.draft.config.gamma
+  results, skipped = [], []
+  began = time.perf_counter()
   for c in args.concurrency:
+    if args.budget_s and time.perf_counter() - began > args.budget_s:
+      skipped.append(c)
+      continue
     count = max(args.per_slot * c, args.min_prompts)
     budgets = output_lengths(count, low, high, args.seed + c)
     prompts = work.prompts(count, args.seed + c)
-    profile = table = None
+    profile = table = shared = None
     if any(s != "plain" for s in args.schedules):
       # The round table (verify + draft forward, the paper's engine steps): the schedules'
       # table and the cost model of every speculative run.
       context = int(np.mean([len(p) for p in prompts])) + low
+      start = time.perf_counter()
       profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
                                repeats=args.repeats, steps=4, draft_cost=True)
       table = profile.dense()
-      print(f"c={c}: rounds/s per verify bucket {profile.table()}", flush=True)
+      print(f"c={c}: rounds/s per verify bucket {profile.table()} "
+            f"({time.perf_counter() - start:.1f} s)", flush=True)
+      options = {"threshold": lambda: dj.schedules.threshold(args.threshold),
+                 "top_k": lambda: dj.schedules.top_k(profile),   # its table and its buckets
+                 "prefix": lambda: dj.schedules.prefix(profile)}
+      chosen = {n: make() for n, make in options.items() if n in args.schedules}
+      if chosen:
+        shared = SharedSchedules(chosen, profile.buckets())
+        shared_schedule = work.schedule(shared.schedule)
+    engines = {}
     for name in args.schedules:
-      schedule = {"plain": lambda: None, "fixed": lambda: None,
-                  "threshold": lambda: dj.schedules.threshold(args.threshold),
-                  "top_k": lambda: dj.schedules.top_k(profile),   # its table and its buckets
-                  "prefix": lambda: dj.schedules.prefix(profile)}[name]()
-      engine = dj.Engine(work.target, None if name == "plain" else work.draft,
-                         max_batch_size=c, max_seq_len=work.max_seq_len, spec=name != "plain",
-                         schedule=work.schedule(schedule) if schedule else None,
-                         refill_at=args.refill_at, rounds_per_call=args.rounds_per_call,
-                         kv=args.kv)
+      if args.budget_s and time.perf_counter() - began > args.budget_s:
+        skipped.append(f"{c}/{name}")
+        continue
+      if name in ("plain", "fixed"):
+        engines[name] = dj.Engine(work.target, None if name == "plain" else work.draft,
+                                  max_batch_size=c, max_seq_len=work.max_seq_len,
+                                  spec=name != "plain", refill_at=args.refill_at,
+                                  rounds_per_call=args.rounds_per_call, kv=args.kv)
+        engine = engines[name]
+      else:
+        shared.select(name)
+        if "shared" not in engines:
+          engines["shared"] = dj.Engine(work.target, work.draft, max_batch_size=c,
+                                        max_seq_len=work.max_seq_len, schedule=shared_schedule,
+                                        refill_at=args.refill_at,
+                                        rounds_per_call=args.rounds_per_call, kv=args.kv)
+        engine = engines["shared"]
       warm = min(count, 2 * c)
+      short = warm_budgets(budgets[:warm], gamma, args.rounds_per_call)
       start = time.perf_counter()
       for _ in range(args.warmup):
-        queue_run(engine, prompts[:warm], budgets[:warm], args.temperature)
+        queue_run(engine, prompts[:warm], short, args.temperature)
       first_s = time.perf_counter() - start
       runs = [queue_run(engine, prompts, budgets, args.temperature) for _ in range(args.repeats)]
       r = dict(_median_by_rate(runs), concurrency=c, schedule=name, prompts=count,
@@ -418,8 +494,10 @@ def throughput_study(work: Workload, args) -> list[dict]:
       print(f"  c={c} {name}: {r['tokens_per_s']:.0f} tokens/s per GPU, "
             f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, verify "
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
-            f"{'-' if model is None else f'{model:.0f}'}, warm-up (compiling) {first_s:.1f} s",
-            flush=True)
+            f"{'-' if model is None else f'{model:.0f}'}, warm-up (compiling) {first_s:.1f} s "
+            f"[{time.perf_counter() - began:.0f} s]", flush=True)
+  if skipped:
+    print(f"skipped past --budget-s {args.budget_s:g}: {skipped}", flush=True)
   return results
 
 
