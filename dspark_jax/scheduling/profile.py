@@ -142,7 +142,6 @@ def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: i
   counts = jnp.asarray(_spread(tokens, rows, width))
   cache = tm.init_cache(config, rows, tm.cache_slots(context + width))  # as the loops allocate
 
-  @jax.jit
   def run(state, cache):
     target = nnx.merge(target_def, state)
 
@@ -151,10 +150,16 @@ def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: i
       logits, _, cache = packing.packed_verify(target, block, positions, counts, cache, (tokens,))
       return cache, total + logits[:, 0, 0].astype(jnp.float32).sum()  # keeps the forward live
 
-    return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))[1]
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
 
-  compiled = run.lower(target_state, cache).compile()
-  return lambda: jax.block_until_ready(compiled(target_state, cache))
+  # The cache is donated and carried from call to call: one cache in memory, as in the loops.
+  compiled = jax.jit(run, donate_argnums=1).lower(target_state, cache).compile()
+  held = [cache]
+
+  def call():
+    held[0], total = compiled(target_state, held[0])
+    jax.block_until_ready(total)
+  return call
 
 
 def _timed_drafts(target_def, target_state, draft_def, draft_state, rows: int, context: int,
@@ -253,8 +258,10 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   target_def, target_state = nnx.split(target)
   measured = {}
   for n_rows, n in zip(rows, sizes):
+    call = None   # the last size's cache goes before the next is allocated
     call = _timed_forwards(target_def, target_state, int(n_rows), int(n), context, gamma, steps)
     measured[int(n)] = _samples(call, repeats, warmup)
+  call = None
   seconds = np.array([measured[int(n)] for n in sizes], np.float64)
   per_verify = np.median(seconds, axis=1) / steps
   draft_seconds = None
