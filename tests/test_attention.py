@@ -252,3 +252,33 @@ def test_a_long_chunk_of_queries_holds_one_tile_of_scores_not_t_by_s():
     assert scratch() >= scores_bytes
   finally:
     attention.FLASH_MIN_QUERIES = original
+
+
+def test_choose_causal_takes_cudnn_for_a_long_fresh_prefill_on_the_gpu_only():
+  q = lambda t, dtype=jnp.bfloat16, d=128: jax.ShapeDtypeStruct((2, t, 4, d), dtype)
+  assert attention.choose_causal(q(128), "auto", platform="gpu") in ("cudnn", None)
+  if attention.cudnn_precondition(jnp.bfloat16, 128, platform="gpu") is None:
+    assert attention.choose_causal(q(128), "auto", platform="gpu") == "cudnn"
+  assert attention.choose_causal(q(128), "auto", platform="cpu") is None
+  assert attention.choose_causal(q(attention.FLASH_MIN_QUERIES - 1), "auto", platform="gpu") is None
+  assert attention.choose_causal(q(128, jnp.float32), "auto", platform="gpu") is None
+  assert attention.choose_causal(q(128), "xla", platform="gpu") is None
+  assert attention.choose_causal(q(128), "ragged", platform="gpu") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 200, 1024])   # 200: not a multiple of any tile
+def test_causal_cudnn_prefill_equals_the_cache_form_on_the_gpu(t):
+  rng = np.random.default_rng(3)
+  b, n, k, d = 2, 8, 2, 128
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  keys, values = (jnp.asarray(rng.normal(size=(b, k, t, d)), jnp.bfloat16) for _ in range(2))
+  assert attention.choose_causal(q) == "cudnn"
+  out = np.asarray(attention.attend_causal(q, keys, values), np.float32)
+  # The cache form: the same keys in the first T slots of a longer cache, garbage after them.
+  pad = jnp.full((b, k, 64, d), jnp.nan, jnp.bfloat16)
+  limits = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), (b, t))
+  ref = np.asarray(attention.attend_limited(q, jnp.concatenate([keys, pad], 2),
+                                            jnp.concatenate([values, pad], 2), limits), np.float32)
+  # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative).
+  np.testing.assert_allclose(out, ref, atol=4 * 2.0**-8 * np.abs(ref).max())

@@ -11,11 +11,15 @@ from flax import nnx
 
 import dspark_jax as dj
 from dspark_jax.decoding import rounds
+from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from tests.test_decoding import make_draft, make_target
 
 WIDTH = 13
 SLOTS = 16
+VOCAB_GPU = 64
+SHAPE_GPU = layers.LayerShape(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                              intermediate_size=512)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +83,33 @@ def test_prefill_chunk_is_checked():
                   prefill_chunk=bad)
   with pytest.raises(ValueError, match="prefill_chunk"):
     dj.Engine(target, None, 2, spec=False, prefill_chunk=0)
+
+
+def test_fresh_needs_positions_from_zero():
+  target = make_target()
+  cache = tm.init_cache(target.config, 1, SLOTS)
+  with pytest.raises(ValueError, match="fresh=True needs positions 0..T-1 in every row; row 0 starts at 2"):
+    target(jnp.zeros((1, 3), jnp.int32), jnp.arange(2, 5)[None], cache, fresh=True)
+
+
+@pytest.mark.gpu
+def test_one_pass_prefill_through_cudnn_equals_the_chunked_cache_form_on_the_gpu():
+  # bf16: the one pass (fresh, cuDNN's causal attention over its own keys) against passes of 64
+  # (the ragged kernel over the cache written so far): rows of length 1, at a chunk edge and at
+  # the width; the last logits and every valid cache slot within bf16 rounding.
+  config = tm.TargetConfig(vocab_size=VOCAB_GPU, num_layers=2, layer=SHAPE_GPU,
+                           feature_layers=(-1, 1), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
+  draft = make_draft(target, 3, "vanilla")
+  lens = jnp.asarray([1, 64, 200, 256], jnp.int32)
+  prompt = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB_GPU, (4, 256)), jnp.int32)
+  out = {}
+  for chunk in (None, 64):
+    run, models = _program((target, draft), chunk, 256, slots=256 + 64)
+    out[chunk] = jax.tree.map(lambda x: np.asarray(x, np.float32), run(*models, prompt, lens))
+  (logits, cache, _), (ref_logits, ref_cache, _) = out[None], out[64]
+  np.testing.assert_allclose(logits, ref_logits, atol=8 * 2.0**-8 * np.abs(ref_logits).max())
+  valid = (np.arange(256 + 64)[None, :] < np.asarray(lens)[:, None])[:, None, :, None]
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0),
+                               atol=8 * 2.0**-8 * np.abs(want).max())

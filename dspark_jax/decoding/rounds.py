@@ -103,10 +103,10 @@ def _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk):
   are computed. `context` is None without a draft."""
   batch, width = prompt.shape
 
-  def run(tokens, start, cache, context, last):
+  def run(tokens, start, cache, context, last, fresh=False):
     positions = start + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
-    hidden, features, cache = target(tokens, positions, cache, head=False)
+    hidden, features, cache = target(tokens, positions, cache, head=False, fresh=fresh)
     if draft is not None:
       context = draft.extend_context(features, positions, context)
     at = prompt_lens - 1 - start
@@ -117,7 +117,7 @@ def _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk):
 
   last = jnp.zeros((batch, target.config.hidden_size), target.config.dtype)
   if chunk is None or width <= chunk:
-    cache, context, last = run(prompt, jnp.int32(0), cache, context, last)
+    cache, context, last = run(prompt, jnp.int32(0), cache, context, last, fresh=True)
     return target.logits(last), cache, context
   full, rest = divmod(width, chunk)
   longest = jnp.max(prompt_lens).astype(jnp.int32)

@@ -23,6 +23,12 @@ overrides ``auto``; an explicit ``cudnn`` whose precondition fails raises a `Val
 it. The choice is made when a model is traced (shapes and dtypes are static), so it costs nothing
 at run time.
 
+`attend_causal` is a fresh prefill's attention (positions 0..T-1, nothing before them) over its
+own keys: cuDNN's causal flash attention, the fastest exact candidate measured for it
+(`benchmarks/bench_flash.py`); `choose_causal` says where it runs, and elsewhere the prefill
+attends over its cache through `attend_limited` (the ragged kernel's query tiles, or
+`attend_flash`).
+
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their
 maxima and sums, so the context cache is read in place rather than concatenated with the block's
@@ -171,6 +177,32 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   if choose(q.dtype, q.shape[-1], implementation, queries=q.shape[1]) == "cudnn":
     return attend_cudnn(q, k, v, mask)
   return attend_xla(q, k, v, mask)
+
+
+def choose_causal(q, implementation: str | None = None, platform: str | None = None) -> str | None:
+  """``"cudnn"`` where a fresh causal prefill of queries `q` [B, T, N, D] (positions 0..T-1 of
+  every row, nothing before them) runs as cuDNN's causal flash attention over its own keys
+  (`attend_causal`): ``auto`` or ``cudnn`` requested, at least `FLASH_MIN_QUERIES` queries, and
+  `cudnn_precondition` holds. Else None: the caller attends over its cache (`attend_limited`),
+  which gives the same result."""
+  if _requested(implementation) not in ("auto", "cudnn") or q.shape[1] < FLASH_MIN_QUERIES:
+    return None
+  return None if cudnn_precondition(q.dtype, q.shape[-1], platform) else "cudnn"
+
+
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """[B, T, N, D] queries at positions 0..T-1 over their own head-major [B, K, T, D] keys/values,
+  query t seeing keys 0..t -> [B, T, N, D]: cuDNN's fused flash attention with its causal mask, so
+  no mask or score tensor exists in memory (`choose_causal` must have returned ``"cudnn"``).
+
+  This is `attend_limited` with ``limits[b, t] = t + 1`` over a cache that holds these keys in
+  its first T slots."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  b, t, n, d = q.shape
+  out = fa.dot_product_attention(jnp.swapaxes(q, 1, 2), k.astype(q.dtype), v.astype(q.dtype),
+                                 scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.CAUSAL,
+                                 qkv_layout="BNTH")
+  return jnp.swapaxes(out, 1, 2)
 
 
 def cut_lengths(slots: int, smallest: int = 128, ratio: float = 2 ** 0.5,

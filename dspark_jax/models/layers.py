@@ -340,6 +340,13 @@ class Attention(nnx.Module):
     b, t, n, d = q.shape
     return self.o_proj(attention.attend_limited(q, k, v, limits).reshape(b, t, n * d))
 
+  def attend_causal(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of [B, T, N, D] queries at positions 0..T-1 over their own token-major
+    [B, T, K, D] keys/values (`kernels.attention.attend_causal`)."""
+    b, t, n, d = q.shape
+    return self.o_proj(attention.attend_causal(q, heads_first(k), heads_first(v)).reshape(
+        b, t, n * d))
+
   def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
     """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): laid out per row as
     [B, width] queries, attended as `attend_limited`, and gathered back."""
@@ -393,11 +400,14 @@ class Full:
 @dataclasses.dataclass(frozen=True)
 class CacheUpTo:
   """What a layer attends to in a cache: head-major keys/values [B, K, S, D], query (b, t) seeing
-  slots ``s < limits[b, t]`` ([B, T] int); later slots are never read into a result."""
+  slots ``s < limits[b, t]`` ([B, T] int); later slots are never read into a result. `fresh`
+  (static): the queries are positions 0..T-1 of every row and the cache holds nothing before
+  them, so the layer may attend over its own keys instead (`kernels.attention.choose_causal`)."""
 
   keys: jax.Array
   values: jax.Array
   limits: jax.Array
+  fresh: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +505,8 @@ class DecoderLayer(nnx.Module):
     source, aux = gather_kv(k, v)
     if isinstance(source, CachePrefix):
       x = x + self.attention.attend_cached(q, source, k, v)
+    elif isinstance(source, CacheUpTo) and source.fresh and attention.choose_causal(q):
+      x = x + self.attention.attend_causal(q, k, v)
     elif isinstance(source, CacheUpTo):
       x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
     elif isinstance(source, PackedCache):

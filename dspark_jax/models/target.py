@@ -159,8 +159,8 @@ class TargetModel(nnx.Module):
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     return self.logits(self.final_norm(x)), features
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict, *, head: bool = True
-               ) -> tuple[jax.Array, jax.Array, dict]:
+  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: dict, *, head: bool = True,
+               fresh: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Runs T new tokens per row.
 
     Args:
@@ -171,12 +171,22 @@ class TargetModel(nnx.Module):
         through its block table; a row without a page for a position writes nothing there).
       head: False returns the final-normed hidden states [B, T, E] in place of the logits, for a
         caller that needs the logits of a few positions only (`logits` of those).
+      fresh: (static) every row's positions are 0..T-1 and its cache holds nothing before them (a
+        one-pass prefill): each layer may attend over the call's own keys, on a GPU through
+        cuDNN's causal flash attention (`kernels.attention.choose_causal`). The same function;
+        checked when `positions` is concrete. A paged cache ignores it.
 
     Returns:
       logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
     """
     start = positions[:, 0]
     limits = positions + 1                                              # causal: slots <= position
+    if fresh and not validation.is_traced(positions):
+      expected = np.arange(tokens.shape[1])
+      bad = np.flatnonzero(np.any(np.asarray(positions) != expected, axis=1))
+      if bad.size:
+        raise ValueError(f"positions: fresh=True needs positions 0..T-1 in every row; row "
+                         f"{int(bad[0])} starts at {int(np.asarray(positions)[bad[0], 0])}")
     if isinstance(cache, paging.PagedKV):
       rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
       return self._paged(tokens, positions, cache, rows, positions, limits, None, head)
@@ -184,7 +194,7 @@ class TargetModel(nnx.Module):
     def gather_kv(i, k, v):
       keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
       values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
-      return layers.CacheUpTo(keys, values, limits), (keys, values)
+      return layers.CacheUpTo(keys, values, limits, bool(fresh)), (keys, values)
     logits, features, kv = self._run(tokens, positions, gather_kv, head)
     return logits, features, {"k": kv[0], "v": kv[1]}
 
