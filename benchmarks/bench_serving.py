@@ -138,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "(`dj.Engine.refill_at`, default 1)")
   parser.add_argument("--rounds-per-call", type=int, default=16,
                       help="iterations per chunk at most (`dj.Engine.rounds_per_call`, default 16)")
+  parser.add_argument("--headroom-gib", type=float, default=16.0,
+                      help="throughput study with --kv paged: device memory the page pool leaves "
+                           "free for the programs' temporaries (`dj.Engine.headroom_bytes`; "
+                           "default 16)")
   parser.add_argument("--budget-s", type=float, default=None,
                       help="throughput study: start no new cell past this many seconds (the "
                            "skipped cells are listed; default: no limit)")
@@ -469,7 +473,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
         engines[name] = dj.Engine(work.target, None if name == "plain" else work.draft,
                                   max_batch_size=c, max_seq_len=work.max_seq_len,
                                   spec=name != "plain", refill_at=args.refill_at,
-                                  rounds_per_call=args.rounds_per_call, kv=args.kv)
+                                  rounds_per_call=args.rounds_per_call, kv=args.kv,
+                                  headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines[name]
       else:
         shared.select(name)
@@ -477,7 +482,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
           engines["shared"] = dj.Engine(work.target, work.draft, max_batch_size=c,
                                         max_seq_len=work.max_seq_len, schedule=shared_schedule,
                                         refill_at=args.refill_at,
-                                        rounds_per_call=args.rounds_per_call, kv=args.kv)
+                                        rounds_per_call=args.rounds_per_call, kv=args.kv,
+                                        headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines["shared"]
       warm = min(count, 2 * c)
       short = warm_budgets(budgets[:warm], gamma, args.rounds_per_call)
