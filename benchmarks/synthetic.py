@@ -98,8 +98,8 @@ class SyntheticTarget(tm.TargetModel):
 
   rates: tuple[float, ...] = ()
 
-  def __call__(self, tokens, positions, cache, *, head=True):
-    logits, features, cache = super().__call__(tokens, positions, cache, head=head)
+  def __call__(self, tokens, positions, cache, *, head=True, fresh=False):
+    logits, features, cache = super().__call__(tokens, positions, cache, head=head, fresh=fresh)
     if not head:  # hidden states (a prefill): no drafted token to accept
       return logits, features, cache
     following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)
