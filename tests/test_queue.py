@@ -248,6 +248,25 @@ def test_paged_pool_is_sized_from_free_memory_less_buffers_at_most_every_slot_fu
   assert pool(10 ** 12) == 12 and pool(None) == 12
 
 
+def test_paged_queue_allocates_no_contiguous_caches(pair, monkeypatch):
+  # The empty loop state of a paged queue holds no [S, cache_len] caches beside its page pool (on
+  # an H100 they took the memory the pool was sized into, and the pool's allocation thrashed).
+  from dspark_jax.decoding import queue, slots
+  made = []
+
+  def spy(*args, **kwargs):
+    state = slots._empty_state(*args, **kwargs)
+    made.append(set(state))
+    return state
+  monkeypatch.setattr(queue, "_empty_state", spy)
+  target, draft = pair
+  params = dj.SamplingParams(temperature=np.zeros(2))
+  for kv in ("paged", "contiguous"):
+    dj.Engine(target, draft, 2, kv=kv, page_size=16).generate(
+        [[1, 2, 3], [4, 5]], params, jax.random.key(0), max_new_tokens=4)
+  assert not made[0] & set(slots.CACHE_KEYS) and set(slots.CACHE_KEYS) <= made[1]
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch, paged):
   # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back

@@ -249,7 +249,8 @@ class Engine:
     chunk_statics = dict(target_def=target_def, draft_def=draft_def, path=path,
                          store_logits=self.store_logits, backend=choice, schedule=schedule,
                          rounds_per_call=self.rounds_per_call)
-    state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs)
+    state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs,
+                         caches=pages is None)
     if pages is not None:
       state.update(pages.empty_caches(target, draft if spec else None))
     if self.trace:

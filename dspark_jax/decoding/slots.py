@@ -197,9 +197,11 @@ def _trace_buffers(rounds, slots_n, gamma):
           "active": jnp.zeros((rounds, slots_n), bool)}
 
 
-def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs):
+def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs,
+                 caches: bool = True):
   """The loop state of S idle slots: every per-row entry zeroed and ``done``; the global entries
-  fresh (the schedule's `init` on S rows)."""
+  fresh (the schedule's `init` on S rows). ``caches=False`` (a paged queue, whose caches are its
+  page pool) allocates no contiguous caches: `CACHE_KEYS` are left out."""
   one = jax.tree.map(lambda x: x[:1].repeat(slots_n, 0), all_inputs)
 
   def shapes():
@@ -208,7 +210,10 @@ def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_input
     return _prefill(target, draft, prompt, lens, one["max_new"], one["rows"], one["stop_ids"],
                     jax.random.key(0), cache_len, out_len, one["stop_seqs"])
 
-  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
+  shaped = jax.eval_shape(shapes)
+  if not caches:
+    shaped = {k: v for k, v in shaped.items() if k not in CACHE_KEYS}
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shaped)
   state["done"] = jnp.ones((slots_n,), bool)
   if draft is not None:
     gamma = draft.config.gamma
