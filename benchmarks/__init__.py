@@ -12,6 +12,9 @@
 * `benchmarks.bench_serving`: the queue-driven decode over a dataset of spread output lengths:
   occupancy and tokens/s against static batches at equal slots, and tokens/s per GPU against
   tokens/s per user at concurrency 1…256 per verify schedule.
+* `benchmarks.bench_profile`: one call of the round (AR step, verify, draft forward, full round)
+  kernel by kernel from a `jax.profiler` trace: time, count, bytes and FLOPs per kernel group
+  against its own floor, GPU busy % and the gaps between kernels.
 * `benchmarks.bench_compact`: the sampling block with stored corrected logits against
   ``store_logits=False`` (`CompactLogits`), alone and followed by verification.
 

@@ -248,7 +248,8 @@ def mixed_rows(batch: int) -> dict:
 
 def looped(body, weights, make_carry):
   """A thunk running ``carry = body(weights, carry)`` LOOP times in one program, the carry donated;
-  its first call builds the carry (``make_carry()``), which lives as long as the thunk."""
+  its first call builds the carry (``make_carry()``), which lives as long as the thunk. After that
+  call, ``thunk.compiled()`` gives the compiled program (jit's cache: no second compile)."""
   run = jax.jit(lambda w, c: jax.lax.fori_loop(0, LOOP, lambda i, c: body(w, c), c),
                 donate_argnums=1)
   box = [None]
@@ -258,6 +259,7 @@ def looped(body, weights, make_carry):
       box[0] = make_carry()
     box[0] = run(weights, box[0])
     return box[0]
+  call.compiled = lambda: run.lower(weights, box[0]).compile()  # after the first call
   return call
 
 
@@ -284,11 +286,13 @@ def attempt(label: str, names, errors: dict, fn):
     gc.collect()
 
 
-def bench_round(target, draft, batch: int, context: int, args, capacity: int | None = None
-                ) -> tuple[dict, dict, dispatch.Choice]:
-  """Times the parts of ``args.parts`` at one (context, batch), with caches of `capacity` slots
-  (None: ``context + 2(γ + 1)``); returns seconds per part, the failures ``{part: reason}`` of
-  parts not timed, and the block sampler's backend decision."""
+def round_parts(target, draft, batch: int, context: int, args, capacity: int | None = None):
+  """The parts of one round at (context, batch) as thunks, with caches of `capacity` slots (None:
+  ``context + 2(γ + 1)``): ``(direct, makers, choice)``. ``direct(names)`` compiles and runs once
+  the parts of `names` among `DIRECT` (and the draft forward, their input) and returns ``{name:
+  thunk}``, each thunk one call; ``makers[name]()`` for a part of `LOOPED` returns a `looped`
+  thunk, LOOP iterations a call. Every thunk has ``thunk.compiled()`` once called. `choice`: the
+  block sampler's backend decision (``args.backend``, ``args.backend_config``)."""
   gamma, vocab = draft.config.gamma, target.config.vocab_size
   label = f"context {context}, B={batch}"
   choice = block_lib.choose_backend(
@@ -319,7 +323,6 @@ def bench_round(target, draft, batch: int, context: int, args, capacity: int | N
   features = jax.random.normal(jax.random.key(2), (
       batch, gamma + 1, len(target.config.feature_layers) * target.config.hidden_size),
       target.config.dtype)
-  times, errors = {}, {}
 
   @jax.jit
   def draft_forward(t_state, d_state, anchor, anchor_pos, context_cache):
@@ -341,29 +344,28 @@ def bench_round(target, draft, batch: int, context: int, args, capacity: int | N
         jnp.full(anchor_pos.shape, gamma + 1, jnp.int32), stop_ids, key, greedy_only=False)
     return layers.write_rows(out, result.committed, count), count + result.num_committed
 
-  def time_direct():
-    """The parts without a cache write, side by side; every buffer dies on return."""
+  def direct(names):
+    """The parts of `names` without a cache write; their buffers live as long as the thunks."""
     start = time.perf_counter()
     context_cache = draft.init_context(batch, cache_len)
-    base, hidden = draft_forward(t_state, d_state, anchor, anchor_pos, context_cache)
-    tokens, corrected, _ = sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key)
-    logits = jax.random.normal(jax.random.key(3), (batch, gamma + 1, vocab), target.config.dtype)
-    out = jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32)
-    count = jnp.zeros((batch,), jnp.int32)
-    jax.block_until_ready(accept(logits, tokens, corrected, rows, anchor_pos, key, out, count))
+    thunks = {"draft forward": harness.program(draft_forward, t_state, d_state, anchor,
+                                               anchor_pos, context_cache)}
+    outs = base, hidden = thunks["draft forward"]()
+    if "block sampling" in names or "accept/commit" in names:
+      thunks["block sampling"] = harness.program(sample, d_state, head, base, hidden, anchor,
+                                                 anchor_pos, rows, key)
+      outs = tokens, corrected, _ = thunks["block sampling"]()
+    if "accept/commit" in names:
+      logits = jax.random.normal(jax.random.key(3), (batch, gamma + 1, vocab), target.config.dtype)
+      out = jnp.full((batch, 4 * (gamma + 1)), -1, jnp.int32)
+      count = jnp.zeros((batch,), jnp.int32)
+      thunks["accept/commit"] = harness.program(accept, logits, tokens, corrected, rows,
+                                                anchor_pos, key, out, count)
+      outs = thunks["accept/commit"]()
+    jax.block_until_ready(outs)
     print(f"  {label}: direct parts compiled and run in {time.perf_counter() - start:.1f} s",
           flush=True)
-    thunks = {
-        "draft forward": lambda: draft_forward(t_state, d_state, anchor, anchor_pos, context_cache),
-        "block sampling": lambda: sample(d_state, head, base, hidden, anchor, anchor_pos, rows, key),
-        "accept/commit": lambda: accept(logits, tokens, corrected, rows, anchor_pos, key, out, count),
-    }
-    return harness.time_side_by_side({n: thunks[n] for n in DIRECT if n in args.parts},
-                                     repeats=args.repeats, warmup=args.warmup, calls=PART_CALLS)
-
-  direct = [name for name in DIRECT if name in args.parts]
-  if direct:
-    times.update(attempt(label, direct, errors, time_direct) or {})
+    return {name: thunks[name] for name in DIRECT if name in names}
 
   def verify_body(w, carry):
     cache, acc = carry
@@ -413,6 +415,22 @@ def bench_round(target, draft, batch: int, context: int, args, capacity: int | N
           lambda: dict({k: v for k, v in small_state().items() if k in ar_keys},
                        cache=tm.init_cache(target.config, batch, cache_len))),
   }
+  return direct, thunk_makers, choice
+
+
+def bench_round(target, draft, batch: int, context: int, args, capacity: int | None = None
+                ) -> tuple[dict, dict, dispatch.Choice]:
+  """Times the parts of ``args.parts`` at one (context, batch), with caches of `capacity` slots
+  (None: ``context + 2(γ + 1)``); returns seconds per part, the failures ``{part: reason}`` of
+  parts not timed, and the block sampler's backend decision."""
+  label = f"context {context}, B={batch}"
+  direct_thunks, thunk_makers, choice = round_parts(target, draft, batch, context, args, capacity)
+  times, errors = {}, {}
+  direct = [name for name in DIRECT if name in args.parts]
+  if direct:
+    # Side by side; every buffer dies on return.
+    times.update(attempt(label, direct, errors, lambda: harness.time_side_by_side(
+        direct_thunks(direct), repeats=args.repeats, warmup=args.warmup, calls=PART_CALLS)) or {})
   for name in LOOPED:
     if name in args.parts:
       # One part at a time: its thunk (and the caches it carries) is dropped before the next.

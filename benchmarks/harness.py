@@ -131,6 +131,14 @@ def on_device(tree):
   return jax.block_until_ready(jax.device_put(tree))
 
 
+def program(fn, *args) -> Callable[[], Any]:
+  """The thunk ``fn(*args)`` of a jitted `fn`, with ``thunk.compiled()``: its compiled program
+  (from jit's cache, no second compile), whose HLO a profile reads (`benchmarks.bench_profile`)."""
+  thunk = lambda: fn(*args)
+  thunk.compiled = lambda: fn.lower(*args).compile()
+  return thunk
+
+
 def time_side_by_side(candidates: dict[str, Callable[[], Any]], *, repeats: int, warmup: int,
                       calls: int = 1) -> dict[str, float]:
   """Median seconds per call of each candidate (a function of no arguments returning arrays).
@@ -402,17 +410,23 @@ def cell(value, digits: int = 1) -> str:
   return str(value)
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
-  """Right-aligned columns, each as wide as its widest cell; cells are strings already."""
+def format_table(header: Sequence[str], rows: Sequence[Sequence], markdown: bool = False
+                 ) -> list[str]:
+  """Right-aligned columns, each as wide as its widest cell; cells are strings already. With
+  `markdown`, a Markdown table (``| a | b |``, right-aligned ``---:`` rule)."""
   widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
+  if markdown:
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"
+    return [line(header), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [
+        line(r) for r in rows]
   line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
   return [line(header), "-" * len(line(header))] + [line(r) for r in rows]
 
 
 def finish(title: str, header: Sequence[str], rows: Sequence[Sequence], *, meta: dict,
-           results: Any, json_path: str | None) -> None:
-  """Writes ``{"meta", "results"}`` to `json_path` (if given), then prints `title` and the table:
-  the last thing a benchmark prints."""
+           results: Any, json_path: str | None, markdown: bool = False) -> None:
+  """Writes ``{"meta", "results"}`` to `json_path` (if given), then prints `title` and the table
+  (`format_table`, `markdown` or not): the last thing a benchmark prints."""
   if json_path:
     directory = os.path.dirname(os.path.abspath(json_path))
     os.makedirs(directory, exist_ok=True)
@@ -422,7 +436,7 @@ def finish(title: str, header: Sequence[str], rows: Sequence[Sequence], *, meta:
     print(f"results written to {json_path}")
   print()
   print(title)
-  for text in format_table(header, rows):
+  for text in format_table(header, rows, markdown):
     print(text)
   sys.stdout.flush()
 
