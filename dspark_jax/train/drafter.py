@@ -112,7 +112,8 @@ class TrainOptions:
     seed: the draft's initialisation and the data order.
     thinking: ``enable_thinking`` for the chat template (None: the template's default).
     heldout: conversations kept out of training for the held-out τ (0: none).
-    eval_every: steps between held-out τ measurements (0: only at the end when `heldout`).
+    eval_every: steps between held-out τ measurements, which also run before the first step and
+      at the end (0: only then); none without `heldout`.
     eval_tokens: tokens generated per held-out prompt.
     checkpoint_every: steps between resumable checkpoints. log_every: steps between logged
       metrics.
