@@ -80,6 +80,7 @@ from dspark_jax.scheduling import calibration  # noqa: E402
 from dspark_jax.formats import checkpoints  # noqa: E402
 from dspark_jax.text import byte_bpe  # noqa: E402
 from dspark_jax.train import data  # noqa: E402
+from dspark_jax.train.drafter import spread_layers  # noqa: E402,F401
 from dspark_jax.train import trainer as training  # noqa: E402
 
 PROMPT_TOKENS, CONTINUATION_TOKENS = 64, 192
@@ -118,19 +119,6 @@ RECIPE = {
 
 
 # ---- configurations -------------------------------------------------------------------------------
-
-
-def spread_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
-  """Target layers for the draft to read, spread as Qwen3-4B's (1, 9, 17, 25, 33) of 36 layers:
-  `count` ids evenly from layer 1 to layer ``num_layers - 3`` (rounded, deduplicated), never the
-  final layer (which DeepSpec reads after the final norm)."""
-  if num_layers < 2:
-    raise ValueError(f"num_layers: the draft needs a layer before the final one, got {num_layers}")
-  low = 1 if num_layers >= 3 else 0
-  high = max(num_layers - 3, low)
-  ids = sorted({int(np.floor(low + (high - low) * i / max(count - 1, 1) + 0.5)) for i in range(count)})
-  assert ids[-1] < num_layers - 1
-  return tuple(ids)
 
 
 def target_config(tiny: bool, vocab: int) -> tm.TargetConfig:

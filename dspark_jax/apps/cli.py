@@ -1,5 +1,5 @@
 """The ``dspark-jax`` command line: ``demo`` (the default), ``generate``, ``eval``, ``calibrate``,
-``sampler-demo``, ``probe``.
+``train``, ``regenerate``, ``sampler-demo``, ``probe``.
 
 * ``dspark-jax demo``: the shipped trained pair decoding held-out prompts (`dspark_jax.apps.demo`).
 * ``dspark-jax generate --target DIR [--draft DIR] --prompt TEXT [--chat] [--temperature T --top-p P
@@ -35,6 +35,9 @@
   confidence head's STS temperatures, prints ECE and AUC per position before/after, writes the
   temperatures (JSON) and a reliability diagram; ``--save-draft DIR`` writes a pretrained draft
   with them (``confidence_temperatures`` in its DeepSpec config).
+* ``dspark-jax train`` / ``dspark-jax regenerate``: a DSpark drafter for a Qwen3 target from
+  conversation jsonl, and the target's own answers to a prompt file
+  (`dspark_jax.apps.train_commands`).
 * ``dspark-jax sampler-demo``: the draft sampler alone on random weights (`dspark_jax.apps.sampler_demo`).
 * ``dspark-jax probe --max-batch-size N --vocab V --gamma G --dtype bf16``: builds a draft sampler of
   those shapes on the current device and prints the memory gate's decision, the backend of every
@@ -42,7 +45,8 @@
 
 This module owns the parser, ``probe``, ``generate``, ``eval`` without ``--schedule`` and `main`;
 the flags' value types and the model flags are in `dspark_jax.apps.flags`, ``eval --schedule``
-and ``calibrate`` in `dspark_jax.apps.schedule_commands`.
+and ``calibrate`` in `dspark_jax.apps.schedule_commands`, ``train`` and ``regenerate`` in
+`dspark_jax.apps.train_commands`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import logging
 import sys
 
 from dspark_jax.apps import flags
+from dspark_jax.apps import train_commands
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="with --target/--draft: write the calibrated draft there")
   calibrate.add_argument("--json", action="store_true",
                          help="print the JSON document instead of the table")
+
+  train_commands.add_parsers(sub)
 
   sampler = sub.add_parser("sampler-demo", help="propose a mixed batch on every path (random weights)")
   sampler.add_argument("--batch-size", type=flags.positive, default=8)
@@ -382,6 +389,10 @@ def main(argv=None) -> int:
     return schedule_commands.calibrate(args)
   if args.command == "generate":
     return generate(args)
+  if args.command == "train":
+    return train_commands.train(args)
+  if args.command == "regenerate":
+    return train_commands.regenerate(args)
   if args.command == "sampler-demo":
     from dspark_jax.apps import sampler_demo
     return sampler_demo.run(args)

@@ -10,10 +10,17 @@ This module owns how weights are learned:
   ``0.1·CE(corrected logits, the sequence's token) + 0.9·‖p_draft − p_target‖₁ + 1.0·BCE(confidence,
   1 − ½‖p_draft − p_target‖₁)``. The sequential head is teacher-forced on the true previous tokens;
   ``use_markov=False`` trains the DFlash-style parallel ablation (corrected = base logits).
-* `make_optimizer`: AdamW with linear warm-up (4 %) and cosine decay, global-norm clipping at 1.0.
-* `Trainer`: jitted train steps over nnx parameters, a progress bar, periodic resumable checkpoints
-  (`save_train_state` / `load_train_state`: parameters, optimizer state and step in one safetensors
-  file, in the tensor names of `dspark_jax.formats.checkpoints`) and a wall-clock budget, so a run can be split across device calls.
+* `make_schedule`, `make_optimizer`: AdamW with linear warm-up (4 %) and cosine decay, global-norm
+  clipping at 1.0.
+* `Trainer`: jitted train steps over nnx parameters (optionally float32 master parameters over
+  lower-precision weights, gradient accumulation, data parallelism over a mesh axis by jit's SPMD
+  partitioning), a progress bar with the loss terms, learning rate and tokens/s, periodic
+  evaluation, periodic resumable checkpoints (`save_train_state` / `load_train_state`:
+  parameters, optimizer state, step and history in one safetensors file, in the tensor names of
+  `dspark_jax.formats.checkpoints`) and a wall-clock budget, so a run can be split across calls.
+* Batches as pure functions of the step: `lm_batches` (token windows), `draft_batches` (anchors
+  anywhere past a prompt) and `masked_draft_batches` (anchors whose block starts on a response
+  token, with the response mask for `dspark_loss`).
 
 The target and the drafter's shared embedding and LM head are never updated by `dspark_loss`: only the
 draft's own parameters are differentiated.
@@ -60,10 +67,15 @@ def _gather_rows(x, index):
 
 
 def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array,
-                anchors: jax.Array, *, use_markov: bool = True) -> tuple[jax.Array, dict]:
+                anchors: jax.Array, loss_mask: jax.Array | None = None, *,
+                use_markov: bool = True) -> tuple[jax.Array, dict]:
   """The drafter loss of docs/design.md on [N, L] sequences with [N, A] anchor positions.
 
   Anchors must satisfy ``1 <= anchor <= L - γ - 1``: the block predicts tokens anchor+1..anchor+γ.
+  `loss_mask` ([N, L], optional): a block position counts only where the token it predicts is
+  masked in (a response token); the loss is then the position-weighted mean over the counted
+  positions, and the metrics are means over them. Without it every position counts and the loss
+  is the mean over blocks of each block's position-weighted mean.
 
   Returns:
     (scalar loss, metrics: ce, tv, bce, and the mean draft confidence).
@@ -111,18 +123,75 @@ def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array
     bce = -(label * jnp.log(confidence) + (1 - label) * jnp.log1p(-confidence))
     per_position = per_position + LOSS_WEIGHTS["bce"] * bce
     metrics.update(bce=bce.mean(), confidence=confidence.mean())
-  loss = jnp.mean(jnp.sum(per_position * weights, axis=1) / jnp.sum(weights))
-  return loss, metrics
+    terms = dict(ce=ce, tv=tv, bce=bce, confidence=confidence)
+  else:
+    terms = dict(ce=ce, tv=tv)
+  if loss_mask is None:
+    loss = jnp.mean(jnp.sum(per_position * weights, axis=1) / jnp.sum(weights))
+    return loss, metrics
+  counted = _gather_rows(loss_mask.astype(jnp.float32), index + 1).reshape(n * a, gamma)
+  total = jnp.maximum(jnp.sum(counted), 1.0)
+  loss = jnp.sum(per_position * weights * counted) / jnp.maximum(jnp.sum(weights * counted), 1e-6)
+  return loss, {k: jnp.sum(v * counted) / total for k, v in terms.items()}
+
+
+def make_schedule(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04):
+  """``step -> learning rate``: linear warm-up over `warmup_fraction` of the steps (at least one),
+  then cosine decay to 10 % at `total_steps`."""
+  warmup = max(1, int(warmup_fraction * total_steps))
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
+                                            max(total_steps, warmup + 1),
+                                            end_value=0.1 * learning_rate)
 
 
 def make_optimizer(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
                    weight_decay: float = 0.01, clip_norm: float = 1.0) -> optax.GradientTransformation:
-  """AdamW, linear warm-up then cosine decay to 10 %, clipped to global norm `clip_norm`."""
-  warmup = max(1, int(warmup_fraction * total_steps))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
-                                                end_value=0.1 * learning_rate)
+  """AdamW (b2 0.95) on `make_schedule`'s rates, clipped to global norm `clip_norm`."""
+  schedule = make_schedule(learning_rate, total_steps, warmup_fraction=warmup_fraction)
   return optax.chain(optax.clip_by_global_norm(clip_norm),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+_STEP_PROGRAMS: dict = {}
+"""Compiled train steps by (model and frozen structure, loss function, optimizer, parameter
+dtypes, micro-batches): trainers of the same model and objective share one program."""
+
+
+def _step_program(graphdef, frozen_def, loss_fn, optimizer, shapes, parts: int):
+  """The jitted ``(params, rest, frozen_state, opt_state, batch) -> (params, opt_state,
+  metrics)`` of a `Trainer` (params and opt_state donated)."""
+  key = (graphdef, frozen_def, id(loss_fn), id(optimizer), parts,
+         tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes)))
+  if key in _STEP_PROGRAMS:
+    return _STEP_PROGRAMS[key][0]
+
+  def gradients(params, rest, frozen, batch):
+    def objective(params):
+      cast = jax.tree.map(lambda p, s: p.astype(s.dtype), params, shapes)
+      return loss_fn(nnx.merge(graphdef, cast, rest), frozen, batch)
+    return jax.value_and_grad(objective, has_aux=True)(params)
+
+  def step_fn(params, rest, frozen_state, opt_state, batch):
+    frozen = None if frozen_def is None else nnx.merge(frozen_def, frozen_state)
+    if parts == 1:
+      (loss, metrics), grads = gradients(params, rest, frozen, batch)
+    else:
+      micro = jax.tree.map(lambda x: jnp.moveaxis(
+          x.reshape(x.shape[0] // parts, parts, *x.shape[1:]), 1, 0), batch)
+
+      def one(total, part):
+        out = gradients(params, rest, frozen, part)
+        return jax.tree.map(jnp.add, total, out), None
+      first = gradients(params, rest, frozen, jax.tree.map(lambda x: x[0], micro))
+      total, _ = jax.lax.scan(one, first, jax.tree.map(lambda x: x[1:], micro))
+      (loss, metrics), grads = jax.tree.map(lambda x: x / parts, total)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads))
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  program = jax.jit(step_fn, donate_argnums=(0, 3))
+  _STEP_PROGRAMS[key] = (program, loss_fn, optimizer)  # keeps the ids in the key alive
+  return program
 
 
 @dataclasses.dataclass
@@ -135,7 +204,25 @@ class Trainer:
   `train(batches, steps)` runs jitted steps with a tqdm progress bar, checkpoints every
   `checkpoint_every` steps and at the end (if `checkpoint_path`), resumes from `checkpoint_path` when
   it exists, and stops early (after checkpointing) once `max_seconds` of wall time have passed.
-  ``batches(step)`` must be a pure function of the step so a resumed run sees the same data.
+  ``batches(step)`` must be a pure function of the step so a resumed run sees the same data; a
+  resumed run then equals an uninterrupted one bit for bit (same device and program).
+
+  Options:
+    master_dtype: the dtype the parameters are trained in (e.g. float32 over bfloat16 weights: the
+      optimizer state follows it, and each step casts a copy to the model's own dtypes for the
+      loss); None keeps the model's dtypes.
+    accumulate: micro-batches per step: every leaf of a batch is split along axis 0 into this many
+      interleaved parts (row i goes to part i mod `accumulate`), their gradients averaged before
+      one update.
+    mesh, data_axis: data parallelism: every batch leaf is sharded along axis 0 over mesh axis
+      `data_axis`, parameters, optimizer state and `frozen` are replicated, and jit's SPMD
+      partitioner inserts the gradient reduction.
+    schedule: ``step -> learning rate``, shown on the progress bar and logged.
+    tokens_per_step: tokens one step trains on, for the bar's tokens/s.
+    evaluate, evaluate_every: ``evaluate(model) -> {name: float}`` run before the first step,
+      every `evaluate_every` steps and at the end, on the model holding the current parameters; results go to
+      `evaluations` (and the bar).
+  History (`history`, `evaluations`) is saved with the checkpoint and restored with it.
   """
 
   model: nnx.Module
@@ -146,57 +233,109 @@ class Trainer:
   checkpoint_every: int = 500
   max_seconds: float | None = None
   history: list = dataclasses.field(default_factory=list)
+  master_dtype: Any = None
+  accumulate: int = 1
+  mesh: Any = None
+  data_axis: str = "dp"
+  schedule: Callable[[int], Any] | None = None
+  tokens_per_step: int | None = None
+  evaluate: Callable[[nnx.Module], dict] | None = None
+  evaluate_every: int = 0
+  evaluations: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
-    self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
+    if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or \
+        self.accumulate < 1:
+      raise ValueError(f"accumulate: expected an int >= 1, got {self.accumulate!r}")
+    self.graphdef, params, self.rest = nnx.split(self.model, nnx.Param, ...)
+    self.shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    master = self.master_dtype
+    self.params = params if master is None else jax.tree.map(
+        lambda x: x.astype(master) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     self.opt_state = self.optimizer.init(self.params)
     self.step = 0
     if self.checkpoint_path and os.path.exists(self.checkpoint_path):
       self.params, self.opt_state, self.step = load_train_state(
           self.checkpoint_path, self.params, self.opt_state)
-    graphdef, loss_fn, optimizer = self.graphdef, self.loss_fn, self.optimizer
+      meta = checkpoints.read_metadata(self.checkpoint_path)
+      self.history = list(meta.get("history", []))
+      self.evaluations = list(meta.get("evaluations", []))
     self.frozen_def, self.frozen_state = (None, None) if self.frozen is None else nnx.split(self.frozen)
-    frozen_def = self.frozen_def
+    if self.mesh is not None:
+      replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      self.params, self.opt_state, self.rest, self.frozen_state = jax.device_put(
+          (self.params, self.opt_state, self.rest, self.frozen_state), replicated)
+    self._step_fn = _step_program(self.graphdef, self.frozen_def, self.loss_fn, self.optimizer,
+                                  self.shapes, self.accumulate)
 
-    def step_fn(params, rest, frozen_state, opt_state, batch):
-      frozen = None if frozen_def is None else nnx.merge(frozen_def, frozen_state)
+  def _place(self, batch):
+    if self.mesh is None:
+      return batch
+    sharded = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.data_axis))
+    return jax.device_put(batch, sharded)
 
-      def objective(params):
-        return loss_fn(nnx.merge(graphdef, params, rest), frozen, batch)
-      (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      metrics = dict(metrics, loss=loss, grad_norm=optax.tree_utils.tree_norm(grads))
-      return optax.apply_updates(params, updates), opt_state, metrics
-
-    self._step_fn = jax.jit(step_fn, donate_argnums=(0, 3))
+  def model_params(self):
+    """The current parameters in the model's own dtypes (on the mesh's first device, with a
+    mesh)."""
+    params = jax.tree.map(lambda p, s: p.astype(s.dtype), self.params, self.shapes)
+    return params if self.mesh is None else jax.device_put(params, self.mesh.devices.flat[0])
 
   def save(self) -> None:
     if self.checkpoint_path:
-      save_train_state(self.checkpoint_path, self.params, self.opt_state, self.step)
+      save_train_state(self.checkpoint_path, self.params, self.opt_state, self.step,
+                       extra={"history": self.history, "evaluations": self.evaluations})
 
-  def train(self, batches: Callable[[int], Any], steps: int, *, log_every: int = 50) -> nnx.Module:
-    """Trains until `steps` total steps (or the time budget); returns the model with new params."""
+  def _evaluate(self, bar) -> None:
+    nnx.update(self.model, self.model_params())
+    result = {k: float(v) for k, v in self.evaluate(self.model).items()}
+    self.evaluations.append({"step": self.step, **result})
+    if not bar.disable:
+      bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+
+  def train(self, batches: Callable[[int], Any], steps: int, *, log_every: int = 50,
+            progress: bool = True) -> nnx.Module:
+    """Trains until `steps` total steps (or the time budget); returns the model with new params.
+    `progress`: show the tqdm bar."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     bar = tqdm(total=steps, initial=self.step, desc="train", dynamic_ncols=True,
-               mininterval=2.0)
+               mininterval=2.0, disable=not progress)
+    since, since_step = time.perf_counter(), self.step
+    if self.evaluate is not None and self.evaluate_every and self.step == 0 and steps > 0:
+      self._evaluate(bar)  # the untrained model: where the curve starts
     while self.step < steps:
       self.params, self.opt_state, metrics = self._step_fn(
-          self.params, self.rest, self.frozen_state, self.opt_state, batches(self.step))
+          self.params, self.rest, self.frozen_state, self.opt_state,
+          self._place(batches(self.step)))
       self.step += 1
       bar.update(1)
       if self.step % log_every == 0 or self.step == steps:
         metrics = {k: float(v) for k, v in metrics.items()}
+        now = time.perf_counter()
+        if self.schedule is not None:
+          metrics["lr"] = float(self.schedule(self.step - 1))
+        if self.tokens_per_step:
+          metrics["tokens_per_s"] = (self.tokens_per_step * (self.step - since_step)
+                                     / max(now - since, 1e-9))
+        since, since_step = now, self.step
         self.history.append({"step": self.step, **metrics})
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        shown = {k: f"{metrics[k]:.3f}" for k in ("loss", "ce", "tv", "bce") if k in metrics}
+        if "lr" in metrics:
+          shown["lr"] = f"{metrics['lr']:.2e}"
+        if "tokens_per_s" in metrics:
+          shown["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+        bar.set_postfix(shown)
+      if self.evaluate is not None and self.evaluate_every and (
+          self.step % self.evaluate_every == 0 or self.step == steps):
+        self._evaluate(bar)
       if self.checkpoint_path and self.step % self.checkpoint_every == 0:
         self.save()
       if self.max_seconds is not None and time.perf_counter() - start > self.max_seconds:
         break
     bar.close()
     self.save()
-    nnx.update(self.model, self.params)
+    nnx.update(self.model, self.model_params())
     return self.model
 
 
@@ -223,6 +362,39 @@ def draft_batches(sequences: np.ndarray, batch: int, anchors: int, gamma: int, f
     rows = rng.integers(0, len(sequences), batch)
     where = rng.integers(first_anchor, length - gamma, (batch, anchors))
     return (jnp.asarray(sequences[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)))
+  return at
+
+
+def masked_draft_batches(tokens: np.ndarray, mask: np.ndarray, batch: int, anchors: int,
+                         gamma: int, seed: int) -> Callable[[int], tuple[jax.Array, ...]]:
+  """``step -> (tokens [batch, L], anchors [batch, A], mask [batch, L])``: random rows of packed
+  data and anchors among each row's valid positions (``1 <= p <= L - γ - 1`` with ``mask[p + 1]``:
+  the block's first prediction is a response token), drawn with replacement; a pure function of
+  the step. Rows without a valid position are never drawn.
+
+  Raises:
+    ValueError: shapes that differ, or no row with a valid anchor (naming `mask`).
+  """
+  tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+  if tokens.ndim != 2 or tokens.shape != mask.shape:
+    raise ValueError(f"mask: shape {mask.shape} differs from tokens' {tokens.shape} (both [N, L])")
+  length = tokens.shape[1]
+  valid = np.zeros_like(mask)
+  if length - gamma - 1 >= 1:
+    valid[:, 1:length - gamma] = mask[:, 2:length - gamma + 1]
+  counts = valid.sum(axis=1)
+  usable = np.flatnonzero(counts)
+  if usable.size == 0:
+    raise ValueError(f"mask: no row has a response token at a position a block of γ={gamma} can "
+                     f"start before (sequence length {length})")
+  positions = [np.flatnonzero(valid[r]) for r in range(len(valid))]
+
+  def at(step: int):
+    rng = np.random.default_rng((seed, step))
+    rows = usable[rng.integers(0, usable.size, batch)]
+    where = np.stack([positions[r][rng.integers(0, counts[r], anchors)] for r in rows])
+    return (jnp.asarray(tokens[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)),
+            jnp.asarray(mask[rows]))
   return at
 
 

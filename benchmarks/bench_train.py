@@ -1,0 +1,134 @@
+"""One drafter training step: tokens/s and model FLOP utilisation.
+
+Shapes (default, GPU): `bench_decode`'s Qwen3-4B-shaped target (36 layers, E 2560, V 151936,
+random bf16 weights, frozen) and its 5-layer DSpark draft (vanilla Markov head r = 256, confidence
+head reading W1, γ = 7, bf16 weights); ``--batch`` sequences of ``--seq-len`` tokens with
+``--anchors`` blocks each, every position a response token. The step is `trainer.Trainer`'s
+compiled step exactly as ``dspark-jax train`` runs it: `trainer.dspark_loss` with the response
+mask (the target's forward, the draft's blocks, SPEC §8's loss), its gradient with respect to
+float32 master parameters, AdamW. ``--small``: `bench_decode`'s 2-layer float32 CPU model pair.
+
+Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.time_one`):
+
+* sequence tokens/s (``batch·seq_len`` per step: the tokens DeepSpec's trainer counts) and block
+  tokens/s (``batch·anchors·γ`` predictions per step);
+* model FLOPs: the target's forward, ``2·P_t·B·L`` with P_t its parameters a token multiplies
+  (the LM head included: the loss reads the target's law at every position), plus the draft's
+  forward and backward, ``6·P_d·B·A·γ`` with P_d the draft's layers, ``fc``, the shared LM head
+  and W2 (their gradients flow through the LM head to the draft's states). Attention is not
+  counted, so the MFU is a lower bound;
+* MFU: model FLOPs per second over this run's bf16 matrix rate (`harness.matmul_rate`, measured
+  on this device: no card's peak is written here).
+
+  python -m benchmarks.bench_train --small                   # CPU smoke check
+  python -m benchmarks.bench_train --batch 2 --seq-len 2048 --anchors 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import bench_decode
+from benchmarks import harness
+from dspark_jax.train import trainer as training
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 2)")
+  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048)")
+  parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (64)")
+  parser.add_argument("--gamma", type=int, default=7)
+  parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
+  harness.add_common_arguments(parser, repeats=5, warmup=2, backend=False)
+  args = harness.finish_arguments(parser, parser.parse_args(argv))
+  args.batch = args.batch or 2
+  args.seq_len = args.seq_len or (64 if args.small else 2048)
+  args.anchors = args.anchors or (8 if args.small else 64)
+  if min(args.batch, args.seq_len, args.anchors, args.gamma) < 1:
+    parser.error("--batch, --seq-len, --anchors and --gamma: each must be >= 1")
+  if args.seq_len < args.gamma + 2:
+    parser.error(f"--seq-len: needs at least γ + 2 = {args.gamma + 2} tokens")
+  return args
+
+
+def _elements(tree) -> int:
+  return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree) if hasattr(x, "shape")))
+
+
+def model_flops(target, draft, batch: int, length: int, anchors: int) -> dict[str, float]:
+  """The step's model FLOPs (module docstring): ``{"target", "draft", "total"}``."""
+  config = target.config
+  lm_head = target.embed if config.tie_embeddings else target.lm_head
+  head = _elements(nnx.state(lm_head))
+  target_params = _elements(nnx.state(target.layers)) + head
+  draft_params = (_elements(nnx.state(draft.layers)) + _elements(nnx.state(draft.fc)) + head
+                  + int(draft.head.arrays()["w2"].size))
+  out = {"target": 2.0 * target_params * batch * length,
+         "draft": 6.0 * draft_params * batch * anchors * draft.config.gamma}
+  out["total"] = out["target"] + out["draft"]
+  return out
+
+
+def build_step(target, draft, batch: int, length: int, anchors: int):
+  """A thunk running one training step (the trainer's state carried from call to call)."""
+  def loss(model, frozen, data):
+    return training.dspark_loss(model, frozen, *data)
+
+  trainer = training.Trainer(draft, loss, training.make_optimizer(6e-4, 1000), frozen=target,
+                             master_dtype=jnp.float32)
+  gamma = draft.config.gamma
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, target.config.vocab_size - 1, (batch, length))
+  data = harness.on_device((
+      jnp.asarray(tokens, jnp.int32),
+      jnp.asarray(rng.integers(1, length - gamma, (batch, anchors)), jnp.int32),
+      jnp.ones((batch, length), bool)))
+
+  def step():
+    trainer.params, trainer.opt_state, metrics = trainer._step_fn(
+        trainer.params, trainer.rest, trainer.frozen_state, trainer.opt_state, data)
+    return metrics["loss"]
+  return step
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  meta, _ = harness.start_run(args, batch=args.batch, seq_len=args.seq_len,
+                              anchors=args.anchors, gamma=args.gamma, shape=args.shape)
+  rate = meta["matmul_tflops"] * 1e12
+  target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
+  flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
+  error, seconds = None, None
+  try:
+    seconds = harness.time_one(build_step(target, draft, args.batch, args.seq_len, args.anchors),
+                               repeats=args.repeats, warmup=args.warmup)
+  except Exception as exc:  # noqa: BLE001 - reported (e.g. out of memory), not raised
+    error = bench_decode.describe_failure(exc)
+  result = {"batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors,
+            "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error}
+  if seconds is not None:
+    result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
+                  block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,
+                  mfu=flops["total"] / seconds / rate)
+  cell = lambda key, fmt: "-" if result.get(key) is None else fmt.format(result[key])
+  rows = [[str(args.batch), str(args.seq_len), str(args.anchors), str(args.gamma),
+           cell("seconds", "{:.4f}"), cell("sequence_tokens_per_s", "{:.0f}"),
+           cell("block_tokens_per_s", "{:.0f}"), f"{flops['total'] / 1e12:.2f}",
+           cell("mfu", "{:.3f}"), (error or "")[:40]]]
+  title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
+           f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
+  harness.finish(title, ["B", "L", "A", "γ", "s/step", "seq tok/s", "block tok/s", "TFLOP",
+                         "MFU", "error"], rows, meta=meta, results=result, json_path=args.json)
+  return int(error is not None)
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", bench_decode.MEM_FRACTION)
+  raise SystemExit(main())

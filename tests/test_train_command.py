@@ -1,0 +1,323 @@
+"""``dspark-jax train`` and ``dspark-jax regenerate`` on a tiny Qwen3 target whose greedy law is a
+known bigram chain (newline -> 1 -> 2 -> 3 -> 4 -> 1 ...): the loss falls, the trained drafter
+beats the untrained one in held-out τ, the saved drafter loads and decodes losslessly; the
+`Trainer` resumes bit for bit and data parallelism over 4 CPU devices equals one device; the
+conversation data is rendered with the target's template, masked to the responses and packed; and
+every bad input is refused by name."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.apps import cli
+from dspark_jax.models import draft as dm
+from dspark_jax.models import layers
+from dspark_jax.models import target as tm
+from dspark_jax.parallel import placement
+from dspark_jax.text import load_tokenizer
+from dspark_jax.train import conversations as cv
+from dspark_jax.train import trainer as training
+from tests.test_text import write_tokenizer_dir
+
+# A Qwen3-style template (written for these tests): an empty think block after the generation
+# prompt and in the last assistant turn when thinking is off.
+TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|im_start|>assistant
+{% if loop.last and enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{{ m.content }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{%- endif -%}"""
+TARGET = tm.TargetConfig(vocab_size=320, num_layers=2, tie_embeddings=False,
+                         layer=layers.LayerShape(hidden_size=32, num_heads=4, num_kv_heads=2,
+                                                 head_dim=8, intermediate_size=64))
+WORDS = "the quick brown fox jumps over lazy dog hello world".split()
+
+
+def chain_target(tokenizer) -> tm.TargetModel:
+  """A target whose layers add nothing (attention and MLP outputs zero) and whose LM head sends
+  newline -> "1" -> "2" -> "3" -> "4" -> "1" and every other token to itself, sharply."""
+  model = tm.TargetModel(TARGET, rngs=nnx.Rngs(0))
+  for layer in model.layers:
+    layer.attention.o_proj.kernel[...] = jnp.zeros_like(layer.attention.o_proj.kernel[...])
+    layer.mlp.down_proj.kernel[...] = jnp.zeros_like(layer.mlp.down_proj.kernel[...])
+  ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("\n", "1", "2", "3", "4")]
+  assert all(len(i) == 1 for i in ids)
+  chain = [i[0] for i in ids]
+  successor = np.arange(TARGET.vocab_size)
+  for a, b in zip(chain, chain[1:] + [chain[1]]):
+    successor[a] = b
+  embed = np.asarray(model.embed.embedding[...])
+  embed = embed / np.linalg.norm(embed, axis=1, keepdims=True)
+  head = np.zeros((TARGET.hidden_size, TARGET.vocab_size), np.float32)
+  for token, nxt in enumerate(successor):
+    head[:, nxt] += 60.0 * embed[token]
+  model.embed.embedding[...] = jnp.asarray(embed)
+  model.lm_head.kernel[...] = jnp.asarray(head)
+  return model
+
+
+def write_conversations(path, count, *, answer="1234" * 5, seed=0):
+  rng = np.random.default_rng(seed)
+  with open(path, "w") as f:
+    for i in range(count):
+      question = " ".join(rng.choice(WORDS, 4))
+      record = ({"turns": [question, answer]} if i % 2 else
+                {"messages": [{"role": "user", "content": question},
+                              {"role": "assistant", "content": answer}]})
+      f.write(json.dumps(record) + "\n")
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def chain_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("chain")
+  directory = str(root / "target")
+  write_tokenizer_dir(directory, template=TEMPLATE, config_eos=None)
+  tokenizer = load_tokenizer(directory)
+  dspark_jax.save_pretrained(chain_target(tokenizer), directory)
+  data = write_conversations(root / "data.jsonl", 28)
+  return root, directory, data
+
+
+@pytest.fixture(scope="module")
+def trained(chain_dir):
+  """`dspark-jax train` run once: 40 steps, held-out τ at steps 0 and 40."""
+  root, target, data = chain_dir
+  out = str(root / "drafter")
+  assert cli.main(["train", "--target", target, "--data", data, "--out", out, "--layers", "1",
+                   "--gamma", "3", "--rank", "8", "--steps", "40", "--batch-size", "4",
+                   "--seq-len", "64", "--anchors", "8", "--lr", "1e-2", "--heldout", "4",
+                   "--eval-every", "40", "--eval-tokens", "12", "--log-every", "5",
+                   "--checkpoint-every", "20"]) == 0
+  with open(os.path.join(out, "training", "history.json")) as f:
+    return out, json.load(f)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # the fixture trains 40 steps and measures τ twice: ~20 s on 2 cores
+def test_trained_drafter_loss_falls_and_beats_untrained_tau(trained):
+  out, log = trained
+  losses = [h["loss"] for h in log["history"]]
+  assert log["step"] == 40 and len(losses) == 8
+  assert losses[-1] < 0.5 * losses[0]
+  assert {"ce", "tv", "bce", "lr", "tokens_per_s"} <= set(log["history"][-1])
+  taus = {e["step"]: e["tau"] for e in log["evaluations"]}
+  assert sorted(taus) == [0, 40]
+  assert taus[0] < 1.5 and taus[40] > taus[0] + 1.0      # γ = 3: τ is at most 4
+  for name in ("loss.png", "train_state.safetensors", "options.json"):
+    assert os.path.exists(os.path.join(out, "training", name))
+
+
+@pytest.mark.slow  # shares the training fixture (the cost lands here when run alone)
+def test_saved_drafter_loads_and_decodes_losslessly(chain_dir, trained):
+  _, target_dir, _ = chain_dir
+  out, _ = trained
+  target, draft = dspark_jax.load_pretrained(target_dir, out)
+  assert draft.config.gamma == 3 and draft.config.target_layer_ids == (0,)
+  tokenizer = load_tokenizer(target_dir)
+  prompt = [tokenizer.encode_chat([{"role": "user", "content": "hello world"}])]
+  params = dspark_jax.SamplingParams(temperature=np.zeros(1))
+  spec = dspark_jax.generate(target, draft, prompt, params, jax.random.key(0), max_new_tokens=9)
+  assert tokenizer.decode(spec.tokens[0]) == "123412341"   # the target's own greedy chain
+  assert spec.tau > 2.0
+
+
+def test_regenerate_writes_the_targets_answers_and_resumes(chain_dir, tmp_path, capsys):
+  _, target_dir, _ = chain_dir
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in ("hello", "the fox")))
+  out = str(tmp_path / "answers.jsonl")
+  argv = ["regenerate", "--target", target_dir, "--prompts", str(prompts), "--out", out,
+          "--max-new-tokens", "6", "--concurrency", "2"]
+  assert cli.main(argv) == 0
+  rows = [json.loads(line) for line in open(out)]
+  assert sorted(r["line"] for r in rows) == [1, 2]
+  for row in rows:
+    assert row["messages"][-1] == {"role": "assistant", "content": "123412"}
+    assert row["messages"][0]["role"] == "user"
+  with open(out, "w") as f:  # as if interrupted after the first answer
+    f.write(json.dumps(rows[0]) + "\n")
+  assert cli.main(argv) == 0
+  assert "1 answers appended" in capsys.readouterr().out
+  assert sorted(json.loads(line)["line"] for line in open(out)) == [1, 2]
+  # The answers are conversations the trainer reads.
+  assert len(cv.read_conversations(out)) == 2
+
+
+# ---- the trainer: resume and data parallelism -------------------------------------------------------
+
+
+SMALL = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(0,),
+                        layer=layers.LayerShape(hidden_size=16, num_heads=2, num_kv_heads=1,
+                                                head_dim=8, intermediate_size=32))
+
+
+def _draft_loss(model, target, batch):
+  return training.dspark_loss(model, target, *batch)
+
+
+_OPTIMIZER = training.make_optimizer(1e-2, 4)   # one object: the trainers share their program
+
+
+def _small_trainer(path=None, dtype=jnp.float32, **kwargs):
+  target = tm.TargetModel(SMALL, rngs=nnx.Rngs(0))
+  config = dm.DraftConfig(gamma=2, num_layers=1, target_layer_ids=(0,), mask_token_id=63,
+                          rank=4, dtype=dtype, param_dtype=dtype)
+  draft = dm.DSparkDraft(config, SMALL, rngs=nnx.Rngs(1))
+  return training.Trainer(draft, _draft_loss, _OPTIMIZER, frozen=target, checkpoint_path=path,
+                          master_dtype=jnp.float32, **kwargs)
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_resumed_training_equals_uninterrupted_bit_for_bit(tmp_path):
+  sequences = np.random.default_rng(0).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=3)
+  whole = _small_trainer()
+  whole.train(batches, 4, progress=False)
+  path = str(tmp_path / "state.safetensors")
+  first = _small_trainer(path, max_seconds=0.0)   # interrupted after its first step
+  first.train(batches, 4, progress=False)
+  assert first.step == 1
+  resumed = _small_trainer(path)
+  assert resumed.step == 1
+  resumed.train(batches, 4, progress=False)
+  for a, b in zip(_leaves((whole.params, whole.opt_state)),
+                  _leaves((resumed.params, resumed.opt_state))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_master_parameters_and_optimizer_state_are_float32_over_bfloat16_weights():
+  trainer = _small_trainer(dtype=jnp.bfloat16)
+  assert trainer.model.fc.kernel[...].dtype == jnp.bfloat16
+  assert {x.dtype for x in _leaves((trainer.params, trainer.opt_state))
+          if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype(np.float32)}
+  assert trainer.model_params()["fc"]["kernel"][...].dtype == jnp.bfloat16
+
+
+def test_data_parallel_over_four_devices_equals_one_device():
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+  sequences = np.random.default_rng(1).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=4)
+  one = _small_trainer()
+  one.train(batches, 2, progress=False)
+  four = _small_trainer(mesh=placement.make_mesh(1, 4), accumulate=2)
+  four.train(batches, 2, progress=False)
+  assert len(four.params["fc"]["kernel"][...].sharding.device_set) == 4
+  np.testing.assert_allclose([h["loss"] for h in one.history],
+                             [h["loss"] for h in four.history], rtol=1e-6)
+  # Adam normalises each update, so a gradient's rounding difference (another summation order)
+  # moves a parameter by up to lr (1e-2) times its relative size: far below one step.
+  for a, b in zip(_leaves(one.params), _leaves(four.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---- data --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chain_dir):
+  return load_tokenizer(chain_dir[1])
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_the_loss_mask_covers_the_assistant_turns_only(tokenizer, thinking):
+  conversation = cv.Conversation((
+      {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+      {"role": "assistant", "content": "the fox"}, {"role": "user", "content": "and"},
+      {"role": "assistant", "content": "1234"}))
+  kwargs = {} if thinking is None else {"enable_thinking": thinking}
+  ids, mask = cv.render(tokenizer, conversation, template_kwargs=kwargs)
+  assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
+      list(conversation.messages), add_generation_prompt=False, **kwargs)
+  assert tokenizer.decode(ids[mask]) == "the fox<|im_end|>1234<|im_end|>"
+
+
+def test_packing_fills_rows_in_order_and_masks_the_padding():
+  examples = [(np.full(n, n, np.int32), np.arange(n) % 2 == 1) for n in (5, 4, 6, 3)]
+  packed = cv.pack(examples, 10, pad_id=0)
+  assert packed.lines == [[0, 1], [2, 3]]
+  np.testing.assert_array_equal(packed.tokens[0], [5] * 5 + [4] * 4 + [0])
+  np.testing.assert_array_equal(packed.mask[1], [0, 1, 0, 1, 0, 1, 0, 1, 0, 0])
+  batches = training.masked_draft_batches(packed.tokens, packed.mask, 3, 5, 2, seed=0)
+  tokens, anchors, mask = batches(7)
+  assert tokens.shape == (3, 10) and anchors.shape == (3, 5) and mask.shape == (3, 10)
+  assert np.all(np.take_along_axis(np.asarray(mask), np.asarray(anchors) + 1, axis=1))
+  assert np.all((np.asarray(anchors) >= 1) & (np.asarray(anchors) <= 10 - 2 - 1))
+
+
+def _fails(argv, capsys) -> str:
+  with pytest.raises(SystemExit) as error:
+    cli.main(argv)
+  return str(error.value.code) + capsys.readouterr().err
+
+
+def test_bad_data_is_refused_by_name(chain_dir, tmp_path, capsys):
+  _, target, _ = chain_dir
+  out = str(tmp_path / "out")
+
+  def train(data):
+    return _fails(["train", "--target", target, "--data", str(data), "--out", out,
+                   "--seq-len", "64", "--heldout", "0"], capsys)
+
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  assert f"{empty}: the file holds no conversations (it is empty)" in train(empty)
+  missing = tmp_path / "missing.jsonl"
+  missing.write_text(json.dumps({"turns": ["hi", "yes"]}) + "\n" +
+                     json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant"}]}) + "\n")
+  assert f"{missing}:2: messages[1].content is missing" in train(missing)
+  blank = tmp_path / "blank.jsonl"
+  blank.write_text(json.dumps({"turns": ["hi", "  "]}) + "\n")
+  assert f"{blank}:1: turns[1] is empty" in train(blank)
+  long = tmp_path / "long.jsonl"
+  long.write_text(json.dumps({"turns": ["hi", "ok"]}) + "\n" +
+                  json.dumps({"turns": ["hi", "the quick brown fox " * 20]}) + "\n")
+  message = train(long)
+  assert f"{long}:2: the conversation has" in message and "sequence length 64" in message
+  prompts_only = tmp_path / "prompts.jsonl"
+  prompts_only.write_text(json.dumps({"turns": ["just a question"]}) + "\n")
+  assert f"{prompts_only}:1: turns has no assistant turn" in train(prompts_only)
+  role = tmp_path / "role.jsonl"
+  role.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+  assert f"{role}:1: messages[0].role is 'robot'" in train(role)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(chain_dir, tmp_path, capsys):
+  _, target, data = chain_dir
+  plain = write_tokenizer_dir(str(tmp_path / "plain"), template=None, config_eos=None)
+  message = _fails(["train", "--target", target, "--tokenizer", plain, "--data", data,
+                    "--out", str(tmp_path / "out")], capsys)
+  assert f"{plain}: tokenizer: the tokenizer has no chat template" in message
+  with pytest.raises(cv.DataError, match="no chat template"):
+    cv.load_packed(data, load_tokenizer(plain), 64)
+  assert "--target: nowhere is not a directory" in _fails(
+      ["train", "--target", "nowhere", "--data", data, "--out", "x"], capsys)
+  assert "--batch-size" in _fails(["train", "--target", target, "--data", data, "--out", "x",
+                                   "--batch-size", "3", "--accumulate", "2"], capsys)
