@@ -47,7 +47,9 @@ program (`SharedSchedules`), and ``--budget-s`` bounds the study: past it no new
   at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
   from that law (`benchmarks.synthetic`; every forward still runs, so the costs are the Qwen3-4B
   shape's), and the schedules deciding on confidences c_k: the paper's serving regime on random
-  weights. Greedy rows only (``--temperature 0``).
+  weights. Greedy rows only (``--temperature 0``). ``--spread σ`` makes rows differ (row r accepts
+  with c_{r,k} = sigmoid(logit c_k + σ·z_{r,k}), `synthetic.row_rates`), the regime where a
+  schedule can choose: with equal rows no verify length beats the full one on the H100's tables.
 
   python -m benchmarks.bench_serving --small                       # CPU smoke check (< 2 min)
   python -m benchmarks.bench_serving --studies occupancy --slots 64 --json occupancy.json
@@ -55,7 +57,7 @@ program (`SharedSchedules`), and ``--budget-s`` bounds the study: past it no new
   python -m benchmarks.bench_serving --synthetic --studies throughput --json synthetic.json
   python -m benchmarks.bench_serving --synthetic --studies throughput --kv paged \
       --concurrency 1,16,64,128,256 --prompt-lengths 128,1024 --lengths 64,2048 --per-slot 1 \
-      --repeats 1 --json sweep.json                                  # the serving sweep
+      --spread 2 --repeats 1 --json sweep.json                       # the serving sweep
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       const=",".join(map(str, synthetic.DEFAULT_RATES)),
                       help="the random pair with synthetic acceptance: comma list of c_1..c_γ "
                            "(default, without a value: the paper-like law, τ ≈ 3.66)")
+  parser.add_argument("--spread", type=float, default=0.0,
+                      help="with --synthetic: σ, rows' rates spread in logit space "
+                           "(`synthetic.row_rates`; default 0: every row the same law)")
   parser.add_argument("--studies", default=",".join(STUDIES),
                       help=f"comma list of {', '.join(STUDIES)} (default all)")
   parser.add_argument("--prompts", type=int, default=None,
@@ -176,6 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      ("--prompt-lengths", args.prompt_lengths or [1, 1])):
     if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
       parser.error(f"{flag}: expected LO,HI with 1 <= LO <= HI, got {pair}")
+  if args.spread and args.synthetic is None:
+    parser.error("--spread: spreads the synthetic law's rows; pass --synthetic too")
   if args.synthetic is not None:
     try:
       args.synthetic = synthetic.check_rates(float(r) for r in args.synthetic.split(","))
@@ -187,6 +194,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.temperature != 0:
       parser.error(f"--synthetic: only greedy rows follow the law; pass --temperature 0, got "
                    f"{args.temperature}")
+    if not args.spread >= 0:
+      parser.error(f"--spread: must be >= 0, got {args.spread}")
     if args.gamma not in (None, len(args.synthetic)):
       parser.error(f"--gamma: {args.gamma}, but --synthetic gives {len(args.synthetic)} rates")
     args.gamma = len(args.synthetic)
@@ -226,11 +235,13 @@ class Workload:
       self.target, self.draft = bench_decode.build_models(args.small, args.gamma)
       self.held_out = None
       self.name = "Qwen3-4B-shaped random pair" if not args.small else "tiny random pair"
-    self.rates = args.synthetic
+    self.rates, self.spread = args.synthetic, args.spread
     if self.rates is not None:
-      self.target = synthetic.synthetic_target(self.target, self.rates)
+      self.target = synthetic.synthetic_target(self.target, self.rates, self.spread)
       self.name += (f", synthetic acceptance c = {','.join(map(str, self.rates))} "
-                    f"(τ {synthetic.expected_tau(self.rates):.2f} at a full verify)")
+                    + (f"spread σ = {self.spread:g} " if self.spread else "")
+                    + f"(τ {synthetic.mean_tau(self.rates, self.spread, 256):.2f} at a full "
+                    "verify)")
     self.prompt_lengths = args.prompt_lengths or [max(args.prompt_len // 2, 1), args.prompt_len]
     self.vocab = self.target.config.vocab_size
     # The longest possible prompt + HI for every engine: engines of equal S share their programs.
@@ -239,7 +250,8 @@ class Workload:
 
   def schedule(self, schedule):
     """`schedule`, deciding on the law's confidences with synthetic acceptance."""
-    return schedule if self.rates is None else synthetic.law_confidence(schedule, self.rates)
+    return (schedule if self.rates is None else
+            synthetic.law_confidence(schedule, self.rates, self.spread))
 
   def prompts(self, count: int, seed: int) -> list[list[int]]:
     if self.held_out is not None:
