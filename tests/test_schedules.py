@@ -51,7 +51,7 @@ def ref_prefix(c, active, sps, margins=None):
   """Algorithm 1: admit in order while Θ improves; stop at the first admission that does not. On a
   plateau of equal sps values the test is the Θ the plateau reaches when its remaining tokens are
   admitted with the admission's survival, against the best Θ reached so far (without equal
-  neighbours: Algorithm 1's own test)."""
+  neighbours: Algorithm 1's own test); after a stop, the plateau the walk stands in is filled."""
   sps = np.asarray(sps, np.float32)
   a = ref_survivals(c)
   batch = int(np.sum(active))
@@ -74,7 +74,17 @@ def ref_prefix(c, active, sps, margins=None):
       best = max(best, np.float32(tau * sps[batch]))
       ell[r] = j + 1  # the paper's ℓ_r ← j (1-based)
     else:
+      batch -= 1
       break
+  else:
+    return np.where(active, 1 + ell, 1)
+  # The walk stopped: the plateau it stands in is filled, in the same order.
+  rest = ref_order(a, active)[batch - int(np.sum(active)):]
+  for r, j in rest:
+    if batch + 1 >= len(sps) or sps[batch + 1] != sps[batch]:
+      break
+    batch += 1
+    ell[r] = j + 1
   return np.where(active, 1 + ell, 1)
 
 
@@ -511,3 +521,19 @@ def test_a_bucket_slower_than_a_larger_one_packs_into_the_larger():
   # Planted: every bucket slower than the dense one keeps only the dense forward.
   assert _profile(sizes, (100, 100, 100, 100, 100, 200), rows=16).buckets() == (128,)
   assert _profile((6, 16), (1.0, 2.0), rows=3, gamma=7).buckets() is None  # not 3 rows' buckets
+
+
+def test_prefix_fills_the_plateau_it_stops_in():
+  # The H100's round table at c = 256 (2026-12-06, rounds/s per packed bucket) and equal rows:
+  # the plateau test enters the 1025..1536 bucket on draft 4's survival, the walk stops on draft
+  # 5's at 1280 tokens (mid-plateau, Θ 0.91× a full verify's); filling the plateau's free tokens
+  # ends at 1536 (every row ℓ = 5), as the NumPy reference does.
+  rows, gamma = 256, 7
+  measured = {256: 43.19, 512: 37.80, 768: 33.28, 1024: 29.74, 1536: 24.33, 2048: 23.81}
+  sps = np.array([0.0] + [measured[min(b for b in measured if b >= n)]
+                          for n in range(1, rows * (gamma + 1) + 1)], np.float32)
+  c = np.broadcast_to(np.float32([0.82, 0.78, 0.74, 0.70, 0.65, 0.60, 0.55]), (rows, gamma))
+  active = np.ones(rows, bool)
+  lens = batched(S.prefix(sps), c[None], active[None])[0]
+  np.testing.assert_array_equal(lens, ref_prefix(c, active, sps))
+  assert np.all(lens == 6)

@@ -44,8 +44,11 @@ to τ, Θ_k = τ_k·sps[A + k]. An admission that would reach ``len(sps)`` token
   the test of the k-th admission compares, instead of Θ_k, the Θ its plateau (the run of equal
   ``sps`` values it falls in) would reach if the plateau's remaining tokens were admitted with the
   k-th survival (an upper bound: later survivals are not larger); the best so far is still the
-  largest Θ actually reached. On a table without equal neighbours this is exactly Algorithm 1's
-  test, and it reads the same survivals (those ranked up to the admission), so it is as lossless.
+  largest Θ actually reached. When the walk stops, the plateau it stands in is filled (the
+  admissions left in it cost nothing more, so each raises Θ). On a table without equal
+  neighbours this is exactly Algorithm 1. Whether the pair ranked m is admitted reads only the
+  survivals ranked up to m (the walk's tests before it; a stop before m admits m exactly when m
+  lies in the stopping plateau), so it is as lossless.
 * `top_k`: the production variant (§5.2): a budget K = the first argmax over k of Θ_k with no early
   stop, computed on the survivals of `lag` rounds ago (all ones until `lag` rounds have run), then
   the K first pairs of the admission order on *current* survivals. K does not depend on the current
@@ -328,6 +331,11 @@ def _prefix_lens(c: jax.Array, active: jax.Array, table: jax.Array, limit: jax.A
   reach = (tau_before + sorted_a * (plateau_end[tokens] - tokens + 1)) * table[tokens]
   better = possible[1:] & (reach > jax.lax.cummax(theta[:-1]))
   made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
+  # A plateau once entered is filled: the admissions left in the plateau of the tokens made cost
+  # nothing more, so each raises Θ.
+  at = jnp.clip(n_active + made, 0, table.shape[0] - 1)
+  cap = jnp.maximum(jnp.minimum(count, limit - 1 - n_active), made)
+  made = jnp.minimum(made + plateau_end[at] - at, cap)
   return _lengths(candidate & (rank < made), active)
 
 
