@@ -261,14 +261,15 @@ def test_choose_causal_takes_cudnn_for_a_long_fresh_prefill_on_the_gpu_only():
     assert attention.choose_causal(q(128), "auto", platform="gpu") == "cudnn"
   assert attention.choose_causal(q(128), "auto", platform="cpu") is None
   assert attention.choose_causal(q(attention.FLASH_MIN_QUERIES - 1), "auto", platform="gpu") is None
-  assert attention.choose_causal(q(200), "auto", platform="gpu") is None   # not a multiple of 64
+  assert attention.choose_causal(q(200), "auto", platform="gpu") is None   # not a power of two
+  assert attention.choose_causal(q(192), "auto", platform="gpu") is None
   assert attention.choose_causal(q(128, jnp.float32), "auto", platform="gpu") is None
   assert attention.choose_causal(q(128), "xla", platform="gpu") is None
   assert attention.choose_causal(q(128), "ragged", platform="gpu") is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [64, 192, 1024])
+@pytest.mark.parametrize("t", [64, 256, 1024])
 def test_causal_cudnn_prefill_equals_the_cache_form_on_the_gpu(t):
   rng = np.random.default_rng(3)
   b, n, k, d = 2, 8, 2, 128

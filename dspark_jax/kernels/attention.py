@@ -179,19 +179,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return attend_xla(q, k, v, mask)
 
 
-CAUSAL_MULTIPLE = 64
-"""`attend_causal` takes T queries only in multiples of this: on an H100 (jax 0.11.2) cuDNN's causal
-attention at T = 200 differed from the cache form, at T = 64 and 1024 it equalled it."""
 
 
 def choose_causal(q, implementation: str | None = None, platform: str | None = None) -> str | None:
   """``"cudnn"`` where a fresh causal prefill of queries `q` [B, T, N, D] (positions 0..T-1 of
   every row, nothing before them) runs as cuDNN's causal flash attention over its own keys
-  (`attend_causal`): ``auto`` or ``cudnn`` requested, at least `FLASH_MIN_QUERIES` queries, a
-  multiple of `CAUSAL_MULTIPLE`, and `cudnn_precondition` holds. Else None: the caller attends over its cache (`attend_limited`),
+  (`attend_causal`): ``auto`` or ``cudnn`` requested, T a power of two of at least
+  `FLASH_MIN_QUERIES` (the prompt buckets; at T = 200 cuDNN's causal attention differed from the
+  cache form on an H100), and `cudnn_precondition` holds. Else None: the caller attends over its cache (`attend_limited`),
   which gives the same result."""
-  if (_requested(implementation) not in ("auto", "cudnn") or q.shape[1] < FLASH_MIN_QUERIES
-      or q.shape[1] % CAUSAL_MULTIPLE):
+  t = q.shape[1]
+  if _requested(implementation) not in ("auto", "cudnn") or t < FLASH_MIN_QUERIES or t & (t - 1):
     return None
   return None if cudnn_precondition(q.dtype, q.shape[-1], platform) else "cudnn"
 
