@@ -3,7 +3,9 @@
 Shapes (default, GPU): `bench_decode`'s Qwen3-4B-shaped target (36 layers, E 2560, V 151936,
 random bf16 weights, frozen) and its 5-layer DSpark draft (vanilla Markov head r = 256, confidence
 head reading W1, γ = 7, bf16 weights); ``--batch`` sequences of ``--seq-len`` tokens with
-``--anchors`` blocks each, every position a response token. The step is `trainer.Trainer`'s
+``--anchors`` blocks each, every position a response token. The defaults are DeepSpec's Qwen3-4B
+recipe per device (``config/dspark/dspark_qwen3_4b.py``: one sequence of up to 4096 tokens per
+device, 512 anchors). The step is `trainer.Trainer`'s
 compiled step exactly as ``dspark-jax train`` runs it: `trainer.dspark_loss` with the response
 mask (the target's forward, the draft's blocks, SPEC §8's loss), its gradient with respect to
 float32 master parameters, AdamW. ``--small``: `bench_decode`'s 2-layer float32 CPU model pair.
@@ -18,9 +20,13 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
   and W2 (their gradients flow through the LM head to the draft's states). Attention is not
   counted, so the MFU is a lower bound;
 * MFU: model FLOPs per second over this run's bf16 matrix rate (`harness.matmul_rate`, measured
-  on this device: no card's peak is written here).
+  on this device: no card's peak is written here);
+* the compiled step's memory as XLA plans it (`memory_analysis`, before the step runs, so it is
+  printed even when the step then fails): its scratch and the estimated peak, arguments (the
+  parameters, optimizer state, target and batch) plus outputs plus scratch, less what is donated.
 
   python -m benchmarks.bench_train --small                   # CPU smoke check
+  python -m benchmarks.bench_train                           # DeepSpec's: 1 x 4096, 512 anchors
   python -m benchmarks.bench_train --batch 2 --seq-len 2048 --anchors 64
 """
 
@@ -41,16 +47,16 @@ from dspark_jax.train import trainer as training
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 2)")
-  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048)")
-  parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (64)")
+  parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 1)")
+  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (4096)")
+  parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (512)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
   harness.add_common_arguments(parser, repeats=5, warmup=2, backend=False)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
-  args.batch = args.batch or 2
-  args.seq_len = args.seq_len or (64 if args.small else 2048)
-  args.anchors = args.anchors or (8 if args.small else 64)
+  args.batch = args.batch or (2 if args.small else 1)
+  args.seq_len = args.seq_len or (64 if args.small else 4096)
+  args.anchors = args.anchors or (8 if args.small else 512)
   if min(args.batch, args.seq_len, args.anchors, args.gamma) < 1:
     parser.error("--batch, --seq-len, --anchors and --gamma: each must be >= 1")
   if args.seq_len < args.gamma + 2:
@@ -77,7 +83,8 @@ def model_flops(target, draft, batch: int, length: int, anchors: int) -> dict[st
 
 
 def build_step(target, draft, batch: int, length: int, anchors: int):
-  """A thunk running one training step (the trainer's state carried from call to call)."""
+  """A thunk running one training step (the trainer's state carried from call to call), and the
+  step's compiled memory (`memory`)."""
   def loss(model, frozen, data):
     return training.dspark_loss(model, frozen, *data)
 
@@ -95,7 +102,24 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
     trainer.params, trainer.opt_state, metrics = trainer._step_fn(
         trainer.params, trainer.rest, trainer.frozen_state, trainer.opt_state, data)
     return metrics["loss"]
-  return step
+  compiled = trainer._step_fn.lower(trainer.params, trainer.rest, trainer.frozen_state,
+                                    trainer.opt_state, data).compile()
+  return step, memory(compiled)
+
+
+def memory(compiled) -> dict[str, int] | None:
+  """``{"temp_bytes", "peak_bytes"}`` of a compiled program (module docstring), or None where
+  the backend does not say."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+          - stats.alias_size_in_bytes)
+  return {"temp_bytes": int(stats.temp_size_in_bytes), "peak_bytes": int(peak)}
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def main(argv=None) -> int:
@@ -105,14 +129,18 @@ def main(argv=None) -> int:
   rate = meta["matmul_tflops"] * 1e12
   target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
-  error, seconds = None, None
+  error, seconds, planned = None, None, None
   try:
-    seconds = harness.time_one(build_step(target, draft, args.batch, args.seq_len, args.anchors),
-                               repeats=args.repeats, warmup=args.warmup)
+    step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
+    if planned:
+      print(f"compiled step: scratch {_size(planned['temp_bytes'])}, estimated peak "
+            f"{_size(planned['peak_bytes'])}", flush=True)
+    seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
   except Exception as exc:  # noqa: BLE001 - reported (e.g. out of memory), not raised
     error = bench_decode.describe_failure(exc)
   result = {"batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors,
-            "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error}
+            "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error,
+            "memory": planned}
   if seconds is not None:
     result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
                   block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,
@@ -121,11 +149,13 @@ def main(argv=None) -> int:
   rows = [[str(args.batch), str(args.seq_len), str(args.anchors), str(args.gamma),
            cell("seconds", "{:.4f}"), cell("sequence_tokens_per_s", "{:.0f}"),
            cell("block_tokens_per_s", "{:.0f}"), f"{flops['total'] / 1e12:.2f}",
-           cell("mfu", "{:.3f}"), (error or "")[:40]]]
+           cell("mfu", "{:.3f}"),
+           "-" if not planned else _size(planned["peak_bytes"]), (error or "")[:40]]]
   title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
            f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
   harness.finish(title, ["B", "L", "A", "γ", "s/step", "seq tok/s", "block tok/s", "TFLOP",
-                         "MFU", "error"], rows, meta=meta, results=result, json_path=args.json)
+                         "MFU", "peak", "error"], rows, meta=meta, results=result,
+                 json_path=args.json)
   return int(error is not None)
 
 

@@ -34,6 +34,12 @@ slots of the context cache and over the block itself, as two softmax parts joine
 maxima and sums, so the context cache is read in place rather than concatenated with the block's
 keys in every layer and round (BENCHMARKS.md v51). It is einsums only and ignores the
 implementation setting.
+
+`attend_shared` is the same attention for training, where many blocks of one sequence read one
+context: the blocks' queries are laid out as one row of queries per sequence, each with its
+block's prefix length as its limit, and read the sequence's context once (`shared_limited_part`,
+in query tiles whose scores are recomputed in the backward pass), so no context is copied per
+block and no [blocks, context] score tensor is kept for the gradient.
 """
 
 from __future__ import annotations
@@ -433,3 +439,59 @@ def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
   block = _part(q, jnp.swapaxes(block_k, 1, 2).astype(kv_dtype),
                 jnp.swapaxes(block_v, 1, 2).astype(kv_dtype), block_mask)
   return _join(prefix, block, q.dtype)
+
+
+SHARED_QUERY_TILE = 512
+"""Queries per tile of `shared_limited_part`: its scratch holds one [B, N, tile, S] tile of float32
+scores, in the forward pass and again in the backward pass."""
+
+
+def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array, *,
+                        tile: int | None = None):
+  """`limited_part` of [B, T, N, D] queries over head-major [B, K, S, D] keys/values (query (b, t)
+  seeing slots ``s < limits[b, t]``), computed in tiles of `tile` queries (`lax.map`), each tile
+  under `jax.checkpoint`: the backward pass recomputes a tile's scores instead of keeping them, so
+  what is kept for the gradient is the queries, keys and values and the (lse, out) part, and the
+  scratch is one tile of scores. Every query's softmax is the same reduction as in
+  `limited_part`, so the result is identical. `tile` defaults to `SHARED_QUERY_TILE` (read at
+  the call). Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
+  b, t, n, d = q.shape
+  tile = max(1, min(tile or SHARED_QUERY_TILE, t))
+  tiles = -(-t // tile)
+  pad = tiles * tile - t
+  part = jax.checkpoint(limited_part)
+  if tiles == 1:
+    return part(q, k, v, limits)
+  q_tiles = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, tiles, tile, n, d)
+  lim_tiles = jnp.pad(limits, ((0, 0), (0, pad))).reshape(b, tiles, tile)   # padding sees nothing
+  lse, out = jax.lax.map(lambda args: part(args[0], k, v, args[1]),
+                         (jnp.moveaxis(q_tiles, 1, 0), jnp.moveaxis(lim_tiles, 1, 0)))
+  heads = k.shape[1]
+  lse = jnp.moveaxis(lse, 0, 3).reshape(b, heads, n // heads, tiles * tile)[..., :t]
+  out = jnp.moveaxis(out, 0, 3).reshape(b, heads, n // heads, tiles * tile, d)[..., :t, :]
+  return lse, out
+
+
+def attend_shared(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_len: jax.Array,
+                  block_k: jax.Array, block_v: jax.Array, block_mask: jax.Array,
+                  group: int) -> jax.Array:
+  """`attend_cached` where consecutive groups of `group` rows share one cache row: query row b
+  (of B = C·group) sees slots ``0 .. prefix_len_b - 1`` of row ``b // group`` of head-major
+  [C, K, S, D] `cache_k` / `cache_v`, and its own block's [B, T', K, D] keys/values where
+  `block_mask` [B, T, T'] holds -> [B, T, N, D].
+
+  The same function as `attend_cached` over the cache repeated `group` times (up to rounding),
+  without the copies: the group's queries are one row of group·T queries with per-query limits
+  over its cache row (`shared_limited_part`). Training's form: the anchor blocks of one sequence
+  over its context.
+  """
+  b, t, n, d = q.shape
+  rows = cache_k.shape[0]
+  if b != rows * group:
+    raise ValueError(f"attend_shared: {b} query rows are not {rows} cache rows x group {group}")
+  limits = jnp.repeat(prefix_len.astype(jnp.int32).reshape(rows, group), t, axis=1)
+  lse, out = shared_limited_part(q.reshape(rows, group * t, n, d), cache_k, cache_v, limits)
+  heads = cache_k.shape[1]
+  by_row = lambda x: jnp.moveaxis(x.reshape(rows, heads, n // heads, group, t, *x.shape[4:]),
+                                  3, 1).reshape(b, heads, n // heads, t, *x.shape[4:])
+  return join_block(q, (by_row(lse), by_row(out)), block_k, block_v, block_mask, cache_k.dtype)

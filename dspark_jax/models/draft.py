@@ -7,6 +7,8 @@ This module owns the draft model, as flax nnx modules:
   layer's own k/v projections (with k-norm and RoPE at the context positions). These context keys and
   values are cached per draft layer by absolute position (`DSparkDraft.extend_context`); only slots
   before the current anchor are ever attended to, so entries of rejected positions need no rollback.
+  Training's many blocks per sequence read the sequence's one context in place, each up to its own
+  anchor (`DSparkDraft.shared_blocks`).
 * **Block.** The input is the target's (frozen, shared) embedding of ``[anchor, MASK, ..., MASK]``
   (γ tokens) at positions ``anchor_pos .. anchor_pos + γ - 1``. Each draft layer is a Qwen3 layer whose
   queries come from the block and whose keys/values are ``[context; block]``: the block sees every
@@ -112,7 +114,8 @@ class DraftConfig:
 
 
 class DSparkDraft(nnx.Module):
-  """The draft. ``draft(target, anchor, anchor_pos, context) -> (base_logits, hidden)``.
+  """The draft. ``draft(target, anchor, anchor_pos, context) -> (base_logits, hidden)``;
+  `shared_blocks`: many blocks per sequence over one context (training).
 
   `plan`: as `TargetModel.plan` (its context cache is kept sharded by KV head).
   """
@@ -189,6 +192,38 @@ class DSparkDraft(nnx.Module):
     Returns:
       base_logits [B, γ, V] (compute dtype) and hidden [B, γ, E].
     """
+    def source(i, block_mask):
+      if isinstance(context, paging.PagedKV):
+        return layers.PagedPrefix(context.k[i], context.v[i], anchor_pos, block_mask,
+                                  context.table)
+      return layers.CachePrefix(context["k"][i], context["v"][i], anchor_pos, block_mask)
+    return self._backbone(target, anchor, anchor_pos, source)
+
+  def shared_blocks(self, target: tm.TargetModel, anchor: jax.Array, anchor_pos: jax.Array,
+                    context: dict) -> tuple[jax.Array, jax.Array]:
+    """Base logits and hidden states of A blocks per sequence over the sequence's one context
+    (training): the blocks of row n read row n of `context` in place, each up to its own anchor
+    (`layers.SharedPrefix`), never a per-block copy of it.
+
+    Args:
+      target: the target whose embedding and LM head the draft shares.
+      anchor: [N, A] int, each block's anchor token. anchor_pos: [N, A] int, its position.
+      context: the context cache of the N sequences (`init_context(N, S)`, then
+        `extend_context`); slots before each anchor must hold the context.
+
+    Returns:
+      base_logits [N·A, γ, V] and hidden [N·A, γ, E], row ``n·A + a`` block a of sequence n: the
+      same as `__call__` on the flattened anchors over the context repeated A times per row.
+    """
+    group = anchor.shape[1]
+    flat_pos = anchor_pos.reshape(-1)
+    return self._backbone(target, anchor.reshape(-1), flat_pos, lambda i, block_mask:
+                          layers.SharedPrefix(context["k"][i], context["v"][i], flat_pos,
+                                              block_mask, group))
+
+  def _backbone(self, target, anchor, anchor_pos, source):
+    """The block backbone of [B] anchors at [B] positions, layer i attending to
+    ``source(i, block_mask)`` -> (base_logits, hidden)."""
     gamma = self.config.gamma
     batch = anchor.shape[0]
     block = jnp.concatenate(
@@ -198,12 +233,7 @@ class DSparkDraft(nnx.Module):
     positions = anchor_pos[:, None] + jnp.arange(gamma)[None, :]
     block_mask = jnp.ones((batch, gamma, gamma), bool)                  # bidirectional
     for i, layer in enumerate(self.layers):
-      def gather_kv(k, v, i=i):
-        if isinstance(context, paging.PagedKV):
-          return layers.PagedPrefix(context.k[i], context.v[i], anchor_pos, block_mask,
-                                    context.table), None
-        return layers.CachePrefix(context["k"][i], context["v"][i], anchor_pos, block_mask), None
-      x, _ = layer(x, positions, gather_kv)
+      x, _ = layer(x, positions, lambda k, v, i=i: (source(i, block_mask), None))
     hidden = self.final_norm(x)
     return _shared_logits(target, hidden), hidden
 

@@ -367,11 +367,15 @@ class Attention(nnx.Module):
   def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
                     v: jax.Array) -> jax.Array:
     """Attention of [B, T, N, D] queries over `source`'s cache prefix and this call's own
-    token-major keys/values [B, T, K, D] (`kernels.attention.attend_cached`)."""
+    token-major keys/values [B, T, K, D] (`kernels.attention.attend_cached`; a `SharedPrefix`:
+    `kernels.attention.attend_shared`)."""
     b, t, n, d = q.shape
     if isinstance(source, PagedPrefix):
       out = paged_attention.attend_cached_paged(q, source.cache_k, source.cache_v, source.table,
                                                 source.prefix_len, k, v, source.block_mask)
+    elif isinstance(source, SharedPrefix):
+      out = attention.attend_shared(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
+                                    source.block_mask, source.group)
     else:
       out = attention.attend_cached(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
                                     source.block_mask)
@@ -459,6 +463,15 @@ class PagedPrefix(CachePrefix):
   table: jax.Array = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix(CachePrefix):
+  """`CachePrefix` whose cache rows are shared: query row b (of B) reads the prefix of row
+  ``b // group`` of a head-major [B / group, K, S, D] cache, `group` (static) rows per cache row
+  (the draft's training blocks, `group` anchors per sequence, over one context per sequence)."""
+
+  group: int = 1
+
+
 class MLP(nnx.Module):
   """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matrix ``gate_up_proj`` [E, 2I]
   (checkpoints name its halves ``gate_proj`` and ``up_proj``; `column_groups`: their column
@@ -483,10 +496,11 @@ class DecoderLayer(nnx.Module):
 
   The caller says what to attend to (`__call__` takes a function that maps this layer's own
   keys/values to a `Full`, `CacheUpTo`, `PackedCache`, `PagedUpTo` or `CachePrefix` (or
-  `PagedPrefix`) source), so the same layer serves the target (causal attention over its KV cache,
-  `CacheUpTo`; packed verify tokens, `PackedCache`; a paged cache, `PagedUpTo`; without a cache,
-  `Full`) and the draft (its context cache read in place plus the bidirectional block,
-  `CachePrefix`, or `PagedPrefix` over a paged context).
+  `PagedPrefix`, `SharedPrefix`) source), so the same layer serves the target (causal attention
+  over its KV cache, `CacheUpTo`; packed verify tokens, `PackedCache`; a paged cache,
+  `PagedUpTo`; without a cache, `Full`) and the draft (its context cache read in place plus the
+  bidirectional block, `CachePrefix`, `PagedPrefix` over a paged context, or `SharedPrefix` for
+  training's blocks sharing their sequence's context).
   """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):

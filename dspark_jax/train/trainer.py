@@ -5,7 +5,9 @@ This module owns how weights are learned:
 * `lm_loss`: next-token cross-entropy of a `TargetModel` on [B, L + 1] token windows.
 * `dspark_loss`: the DeepSpec recipe for a `DSparkDraft` against a frozen target. For each sequence
   the target runs once (no gradient) and gives the context features and its own next-token law; A
-  random anchors per sequence form γ-token blocks whose context is every position before the anchor.
+  random anchors per sequence form γ-token blocks whose context is every position before the anchor;
+  the blocks of a sequence read its one context in place (`DSparkDraft.shared_blocks`), so memory
+  grows with the context plus the blocks, not with their product.
   Per block position k (1-based), with weight ``exp(-(k-1)/4)``:
   ``0.1·CE(corrected logits, the sequence's token) + 0.9·‖p_draft − p_target‖₁ + 1.0·BCE(confidence,
   1 − ½‖p_draft − p_target‖₁)``. The sequential head is teacher-forced on the true previous tokens;
@@ -88,14 +90,14 @@ def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array
   p_target_all = jax.lax.stop_gradient(jax.nn.softmax(target_logits.astype(jnp.float32), -1))
   features = jax.lax.stop_gradient(features)
 
-  context = draft.extend_context(features, positions, draft.init_context(n, length))
-  context = jax.tree.map(lambda x: jnp.repeat(x, a, axis=0), context)      # [N*A, L, K, D]
+  context = draft.extend_context(features, positions, draft.init_context(n, length))  # [N, K, L, D]
   steps = jnp.arange(gamma)
   index = anchors[..., None] + steps                                        # [N, A, γ]
-  anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+  anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)
   labels = _gather_rows(tokens, index + 1).reshape(n * a, gamma)
   p_target = _gather_rows(p_target_all, index).reshape(n * a, gamma, -1)
-  base, hidden = draft(target, anchor_tokens, anchors.reshape(-1), context)
+  base, hidden = draft.shared_blocks(target, anchor_tokens, anchors, context)
+  anchor_tokens = anchor_tokens.reshape(-1)
 
   prev = jnp.concatenate([anchor_tokens[:, None], labels[:, :-1]], axis=1)  # teacher forcing
   head = draft.head.arrays()
