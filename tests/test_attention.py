@@ -394,7 +394,8 @@ def test_chunk_through_cudnn_equals_the_cache_form_on_the_gpu(t):
   ``return_residual=True`` JAX's head-major entry point returns stats [B, N, T] float32, the
   natural-log log-sum-exp of the scaled scores over the keys its mask admits; ``MaskType.PADDING``
   with int32 [B] ``q_seqlen`` / ``kv_seqlen`` admits slots < kv_seqlen of each row and reads
-  nothing at or past it into the result (NaN there is checked part by part below and here)."""
+  nothing at or past it into the result (large finite values there are checked part by part
+  below; NaN past the chunk here, beyond every tile the prior part reads)."""
   from dspark_jax.kernels import ragged_attention
   rng = np.random.default_rng(t)
   b, n, k, d = 4, 8, 2, 128
@@ -421,8 +422,11 @@ def test_chunk_through_cudnn_equals_the_cache_form_on_the_gpu(t):
 @pytest.mark.gpu
 def test_cudnn_parts_statistics_are_the_log_sum_exp_of_the_scaled_scores_on_the_gpu():
   """Each cuDNN part's (lse, out) against `_part` (float32 scores of the same bf16 inputs) under
-  its mask: the prior part over slots < start with NaN at and past start (so ``kv_seqlen`` bounds
-  what cuDNN reads), a row with start 0 giving (-inf, zeros); the self part causal, top-left.
+  its mask: the prior part over slots < start with large finite garbage at and past start (keys
+  ×64, values ×1024: any leak would dominate the result, so ``kv_seqlen`` bounds what reaches
+  it), a row with start 0 giving (-inf, zeros); the self part causal, top-left. (Not NaN: cuDNN
+  multiplies the masked probabilities of a tile by its values, and 0 · NaN is NaN; see
+  `cudnn_prior_part`'s precondition.)
   This is the claim of the note above `kernels.attention.cudnn_part`: [B, N, T] float32
   statistics, natural log, of the scaled scores."""
   rng = np.random.default_rng(11)
@@ -432,8 +436,8 @@ def test_cudnn_parts_statistics_are_the_log_sum_exp_of_the_scaled_scores_on_the_
   keys, values = (jnp.asarray(rng.normal(size=(b, k, s, d)), jnp.bfloat16) for _ in range(2))
   own_k, own_v = keys[:, :, :t], values[:, :, :t]
   before = jnp.arange(s)[None, :] < start[:, None]
-  dirty_k, dirty_v = (jnp.where(before[:, None, :, None], x, jnp.nan).astype(jnp.bfloat16)
-                      for x in (keys, values))
+  dirty_k, dirty_v = (jnp.where(before[:, None, :, None], x, scale * x).astype(jnp.bfloat16)
+                      for x, scale in ((keys, 64.0), (values, 1024.0)))
   with jax.default_matmul_precision("highest"):
     refs = {"prior": attention._part(q, keys, values, jnp.broadcast_to(before[:, None], (b, t, s))),
             "self": attention._part(q, own_k, own_v, jnp.broadcast_to(

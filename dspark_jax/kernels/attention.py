@@ -262,8 +262,10 @@ def cudnn_prior_part(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
   cuDNN's flash attention with ``MaskType.PADDING``, ``q_seqlen = T`` and ``kv_seqlen = start``
   per row, reading the cache in place (``BNTH``). ``kv_seqlen`` is clamped to at least 1 and such
   rows masked afterwards (see the note above `cudnn_part`). Preconditions: `choose_causal` holds
-  for `q`; ``0 <= start_b <= S``. Slots at or past ``start_b`` are meant never to reach the result
-  (cuDNN's padding mask; checked on the GPU with NaN there)."""
+  for `q`; ``0 <= start_b <= S``; every slot holds finite values. Slots at or past ``start_b``
+  never reach the result (cuDNN's padding mask; checked on the GPU with large finite values
+  there), but cuDNN multiplies a tile's masked probabilities by its values, so a NaN or inf
+  anywhere in a tile that crosses ``start_b`` would (our caches hold zeros or written keys)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
   b, t, n, d = q.shape
   start = start.astype(jnp.int32)
