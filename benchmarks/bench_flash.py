@@ -11,6 +11,10 @@ Candidates (each where it runs; a failure is reported and the rest still run):
   with several KV block sizes and warp counts; any limits, so also the chunked cell;
 * ``cudnn``: cuDNN's fused attention through JAX's head-major entry point (the cache read in place,
   cut to the T slots of a one-pass prefill), causal mask; one pass only (no bottom-right mask);
+* ``cudnn_parts``: the chunked cell only, `attention.attend_chunk` (what a prefill chunk past
+  slot 0 runs where `choose_causal` holds): cuDNN over the cache before the chunk (padding mask,
+  ``kv_seqlen`` = C's start, the cache read in place) and over the chunk's own keys (causal),
+  joined by log-sum-exp; the chunk's keys are sliced out of the cache (the layer holds them);
 * ``cudnn_public``: `jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`
   on token-major copies of keys and values (the copy is timed with it);
 * ``pallas_mha``: JAX's Pallas (Triton) flash attention (`jax.experimental.pallas.ops.gpu.
@@ -69,7 +73,13 @@ def candidates(t: int, start: int, interpret: bool, heads: int, kv_heads: int) -
                                                          interpret=interpret)[0],
         bkv=block_kv, w=warps)
   out["xla_flash"] = attention.attend_flash
-  if start or jax.default_backend() != "gpu":
+  if jax.default_backend() != "gpu":
+    return out
+  if start:
+    if attention.cudnn_precondition(jnp.bfloat16, HEAD_DIM) is None:
+      own = lambda x: x[:, :, start:start + t]       # the chunk's keys, as the layer holds them
+      out["cudnn_parts"] = lambda q, k, v, lim: attention.attend_chunk(
+          q, own(k), own(v), k, v, jnp.full((q.shape[0],), start, jnp.int32))
     return out
   one_pass = lambda x: x[:, :, :t]
   scale = 1.0 / math.sqrt(HEAD_DIM)

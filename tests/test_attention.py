@@ -284,3 +284,174 @@ def test_causal_cudnn_prefill_equals_the_cache_form_on_the_gpu(t):
                                             jnp.concatenate([values, pad], 2), limits), np.float32)
   # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative).
   np.testing.assert_allclose(out, ref, atol=4 * 2.0**-8 * np.abs(ref).max())
+
+
+def fake_cudnn(calls=None):
+  """An XLA stand-in for JAX's head-major cuDNN entry point as `kernels.attention` describes it
+  (the note above `cudnn_part`): ``BNTH``, ``PADDING`` (per-row q/kv lengths) or ``CAUSAL``
+  (top-left), stats [B, N, T] the natural-log log-sum-exp of the scaled scores. A query that sees
+  no key gets NaN in both, as the worst case of what cuDNN may do there. `calls` collects the
+  mask types."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  def call(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None, *, scale,
+           mask_type, qkv_layout, return_residual=False):
+    assert qkv_layout == "BNTH" and bias is None and mask is None
+    if calls is not None:
+      calls.append(mask_type)
+    b, n, t, d = query.shape
+    heads, s = key.shape[1], key.shape[2]
+    slots = jnp.arange(s)[None, None, :]
+    if mask_type == fa.MaskType.CAUSAL:
+      see = jnp.broadcast_to(slots <= jnp.arange(t)[None, :, None], (b, t, s))
+    else:
+      assert mask_type == fa.MaskType.PADDING and q_seqlen.dtype == kv_seqlen.dtype == jnp.int32
+      see = ((slots < kv_seqlen[:, None, None])
+             & (jnp.arange(t)[None, :, None] < q_seqlen[:, None, None]))
+      value = jnp.where((slots[0] < kv_seqlen[:, None])[:, None, :, None], value, 0)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", query.reshape(b, heads, n // heads, t, d), key,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(see[:, None, None], scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    p = jnp.exp(scores - lse[..., None])                  # NaN where no key is seen
+    out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(value.dtype), value,
+                     preferred_element_type=jnp.float32).astype(query.dtype).reshape(b, n, t, d)
+    return (out, lse.reshape(b, n, t)) if return_residual else out
+  return call
+
+
+def _chunk_case(dtype, t=64, s=320):
+  """A chunk of `t` queries per row at starts 0, mid-cache, a 128-slot tile edge and the cache's
+  end: (q, own k/v token-major, start, the clean cache with the chunk written in, the same cache
+  with NaN at and past each row's start)."""
+  rng = np.random.default_rng(7)
+  b, n, k, d = 4, 4, 2, 16
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), dtype)
+  own_k, own_v = (jnp.asarray(rng.normal(size=(b, t, k, d)), dtype) for _ in range(2))
+  start = jnp.asarray([0, 77, 128, s - t], jnp.int32)
+  past = jnp.arange(s)[None, None, :, None] >= start[:, None, None, None]
+  clean, dirty = [], []
+  for own in (own_k, own_v):
+    cache = layers.write_heads(jnp.asarray(rng.normal(size=(b, k, s, d)), dtype), own, start)
+    clean.append(cache)
+    dirty.append(jnp.where(past, jnp.nan, cache).astype(dtype))
+  return q, own_k, own_v, start, clean, dirty
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_form_joins_its_two_parts_into_the_cache_form(monkeypatch, dtype):
+  # `attend_chunk` (the cache before the chunk and the chunk's own causal keys, joined by
+  # log-sum-exp) against the cache form over the whole cache (`attend_xla` with limits = start +
+  # t + 1): once with XLA parts (`_part` under each part's mask), once through the cuDNN parts'
+  # own code with an XLA stand-in for cuDNN (`fake_cudnn`: layouts, sequence lengths, the
+  # statistics' conversion, the guard of a row with nothing before it). The cache handed to
+  # `attend_chunk` holds NaN at and past each row's start: neither part may read it there.
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  q, own_k, own_v, start, (keys, values), (dirty_k, dirty_v) = _chunk_case(dtype)
+  b, t, n, d = q.shape
+  s = keys.shape[2]
+  limits = start[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None]
+  with jax.default_matmul_precision("highest"):
+    mask = jnp.arange(s)[None, None] < limits[:, :, None]
+    ref = np.asarray(attention.attend_xla(q, keys, values, mask), np.float32)
+  causal = jnp.broadcast_to(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (b, t, t))
+
+  def xla_prior(q, cache_k, cache_v, start):   # cuDNN's padding mask: slots < start, nothing else
+    before = jnp.arange(s)[None, :] < start[:, None]
+    return attention._part(q, cache_k, jnp.where(before[:, None, :, None], cache_v, 0),
+                           jnp.broadcast_to(before[:, None, :], (b, t, s)))
+
+  xla_self = lambda q, k, v: attention._part(q, k, v, causal)
+  heads_k, heads_v = layers.heads_first(own_k), layers.heads_first(own_v)
+  calls = []
+  with jax.default_matmul_precision("highest"):
+    outs = {"xla parts": attention.attend_chunk(q, heads_k, heads_v, dirty_k, dirty_v, start,
+                                                prior_part=xla_prior, self_part=xla_self)}
+    monkeypatch.setattr(fa, "dot_product_attention", fake_cudnn(calls))
+    outs["cudnn parts, XLA stand-in"] = attention.attend_chunk(q, heads_k, heads_v, dirty_k,
+                                                               dirty_v, start)
+    empty = (jnp.full((b, 2, n // 2, t), -jnp.inf), jnp.zeros((b, 2, n // 2, t, d)))
+    alone = attention._join(empty, xla_self(q, heads_k, heads_v), dtype)
+  assert calls == [fa.MaskType.PADDING, fa.MaskType.CAUSAL]
+  # float32: sums of up to ~300 terms; bf16: each part rounded to bf16 before the join, a few ulps.
+  tol = 1e-5 if dtype == jnp.float32 else 4 * 2.0**-8 * np.abs(ref).max()
+  for name, out in outs.items():
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), name
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-5, err_msg=name)
+  # A row with nothing before its chunk (start 0) is exactly its causal part.
+  np.testing.assert_array_equal(np.asarray(outs["xla parts"][0]), np.asarray(alone[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 512, 1024])
+def test_chunk_through_cudnn_equals_the_cache_form_on_the_gpu(t):
+  """cuDNN's two parts of a prefill chunk (`attend_chunk`) against our kernel over the cache
+  (`attend_limited` with limits = start + t + 1), rows starting at 0, 512, 3072 and 1000, the
+  chunk's keys written in the cache and NaN past them (never read), within bf16 rounding.
+
+  The claim about cuDNN this checks (kernels/attention.py, the note above `cudnn_part`): with
+  ``return_residual=True`` JAX's head-major entry point returns stats [B, N, T] float32, the
+  natural-log log-sum-exp of the scaled scores over the keys its mask admits; ``MaskType.PADDING``
+  with int32 [B] ``q_seqlen`` / ``kv_seqlen`` admits slots < kv_seqlen of each row and reads
+  nothing at or past it into the result (large finite values there are checked part by part
+  below; NaN past the chunk here, beyond every tile the prior part reads)."""
+  from dspark_jax.kernels import ragged_attention
+  rng = np.random.default_rng(t)
+  b, n, k, d = 4, 8, 2, 128
+  start = jnp.asarray([0, 512, 3072, 1000], jnp.int32)
+  s = -(-(3072 + t + 64) // 128) * 128
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  own_k, own_v = (jnp.asarray(rng.normal(size=(b, t, k, d)), jnp.bfloat16) for _ in range(2))
+  past = jnp.arange(s)[None, None, :, None] >= (start + t)[:, None, None, None]
+  keys, values = (jnp.where(past, jnp.nan, layers.write_heads(
+      jnp.asarray(rng.normal(size=(b, k, s, d)), jnp.bfloat16), own, start)).astype(jnp.bfloat16)
+      for own in (own_k, own_v))
+  assert attention.choose_causal(q) == "cudnn"
+  assert ragged_attention.precondition(q, keys) is None
+  out = np.asarray(jax.jit(attention.attend_chunk)(
+      q, layers.heads_first(own_k), layers.heads_first(own_v), keys, values, start), np.float32)
+  limits = start[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None]
+  ref = np.asarray(jax.jit(attention.attend_limited)(q, keys, values, limits), np.float32)
+  assert np.isfinite(out).all()
+  # bf16 outputs of averages of unit normals: within a few bf16 ulps (2^-8 relative); each part
+  # is rounded to bf16 before the join, so one or two more than a single pass.
+  np.testing.assert_allclose(out, ref, atol=6 * 2.0**-8 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_cudnn_parts_statistics_are_the_log_sum_exp_of_the_scaled_scores_on_the_gpu():
+  """Each cuDNN part's (lse, out) against `_part` (float32 scores of the same bf16 inputs) under
+  its mask: the prior part over slots < start with large finite garbage at and past start (keys
+  ×64, values ×1024: any leak would dominate the result, so ``kv_seqlen`` bounds what reaches
+  it), a row with start 0 giving (-inf, zeros); the self part causal, top-left. (Not NaN: cuDNN
+  multiplies the masked probabilities of a tile by its values, and 0 · NaN is NaN; see
+  `cudnn_prior_part`'s precondition.)
+  This is the claim of the note above `kernels.attention.cudnn_part`: [B, N, T] float32
+  statistics, natural log, of the scaled scores."""
+  rng = np.random.default_rng(11)
+  b, t, n, k, d, s = 4, 128, 8, 2, 128, 1024
+  start = jnp.asarray([0, 1, 300, 896], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16)
+  keys, values = (jnp.asarray(rng.normal(size=(b, k, s, d)), jnp.bfloat16) for _ in range(2))
+  own_k, own_v = keys[:, :, :t], values[:, :, :t]
+  before = jnp.arange(s)[None, :] < start[:, None]
+  dirty_k, dirty_v = (jnp.where(before[:, None, :, None], x, scale * x).astype(jnp.bfloat16)
+                      for x, scale in ((keys, 64.0), (values, 1024.0)))
+  with jax.default_matmul_precision("highest"):
+    refs = {"prior": attention._part(q, keys, values, jnp.broadcast_to(before[:, None], (b, t, s))),
+            "self": attention._part(q, own_k, own_v, jnp.broadcast_to(
+                jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (b, t, t)))}
+  parts = {"prior": jax.jit(attention.cudnn_prior_part)(q, dirty_k, dirty_v, start),
+           "self": jax.jit(attention.cudnn_self_part)(q, own_k, own_v)}
+  for name in parts:
+    (lse, out), (ref_lse, ref_out) = (jax.tree.map(lambda x: np.asarray(x, np.float32), p)
+                                      for p in (parts[name], refs[name]))
+    assert lse.shape == ref_lse.shape and out.shape == ref_out.shape, name
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite), name
+    # Scores from the same bf16 inputs in float32: the log-sum-exps agree to float32 rounding of
+    # the accumulation order (a log2 or unscaled statistic would be off by far more).
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(out, ref_out, atol=4 * 2.0**-8 * np.abs(ref_out).max(), err_msg=name)
+  assert np.all(np.asarray(parts["prior"][1])[0] == 0)

@@ -92,11 +92,45 @@ def test_fresh_needs_positions_from_zero():
     target(jnp.zeros((1, 3), jnp.int32), jnp.arange(2, 5)[None], cache, fresh=True)
 
 
+def test_chunked_prefill_takes_the_two_part_form_where_choose_causal_holds(pair, monkeypatch):
+  # The dispatch, on the CPU: with `choose_causal` saying "cudnn" and an XLA stand-in for cuDNN
+  # (tests/test_attention.py::fake_cudnn), passes of 64 over a 128-wide prompt take the two-part
+  # form in every layer (the first pass, from slot 0, and the second, from 64) and give the
+  # caches and last logits of today's path (passes over the cache).
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  from dspark_jax.kernels import attention
+  from tests.test_attention import fake_cudnn
+  width, slots = 128, 160
+  lens = jnp.asarray([1, 64, 100, 128], jnp.int32)
+  prompt = jnp.asarray(np.random.default_rng(5).integers(0, pair[0].config.vocab_size,
+                                                          (4, width)), jnp.int32)
+  run, models = _program(pair, 64, width, slots=slots)
+  ref = run(*models, prompt, lens)
+  calls = []
+  monkeypatch.setattr(attention, "choose_causal", lambda q, *a, **k: "cudnn")
+  monkeypatch.setattr(fa, "dot_product_attention", fake_cudnn(calls))
+  run, models = _program(pair, 64, width, slots=slots)
+  out = run(*models, prompt, lens)
+  layers_ = pair[0].config.num_layers
+  assert calls == [fa.MaskType.PADDING, fa.MaskType.CAUSAL] * layers_   # traced once: the loop body
+  valid = (np.arange(slots)[None, :] < np.asarray(lens)[:, None])[:, None, :, None]
+  np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(out[1:]), jax.tree.leaves(ref[1:])):
+    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), rtol=1e-5,
+                               atol=1e-5)
+
+
+def _uses_cudnn(run, models, *args) -> bool:
+  return "__cudnn$fmha" in run.lower(*models, *args).compile().as_text()
+
+
 @pytest.mark.gpu
-def test_one_pass_prefill_through_cudnn_equals_the_chunked_cache_form_on_the_gpu():
-  # bf16: the one pass (fresh, cuDNN's causal attention over its own keys) against passes of 64
-  # (the ragged kernel over the cache written so far): rows of length 1, at a chunk edge and at
-  # the width; the last logits and every valid cache slot within bf16 rounding.
+def test_prefill_through_cudnn_equals_the_chunked_cache_form_on_the_gpu(monkeypatch):
+  # bf16: the one pass (fresh, cuDNN's causal attention over its own keys) and passes of 64
+  # through cuDNN's two parts (the cache before the chunk, the chunk's own keys, joined by
+  # log-sum-exp: `kernels.attention.attend_chunk`) against passes of 64 through the ragged kernel
+  # over the cache written so far (DSPARK_JAX_ATTENTION=ragged): rows of length 1, at a chunk edge
+  # and at the width; the last logits and every valid cache slot within bf16 rounding.
   config = tm.TargetConfig(vocab_size=VOCAB_GPU, num_layers=2, layer=SHAPE_GPU,
                            feature_layers=(-1, 1), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   target = tm.TargetModel(config, rngs=nnx.Rngs(0))
@@ -104,12 +138,18 @@ def test_one_pass_prefill_through_cudnn_equals_the_chunked_cache_form_on_the_gpu
   lens = jnp.asarray([1, 64, 200, 256], jnp.int32)
   prompt = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB_GPU, (4, 256)), jnp.int32)
   out = {}
-  for chunk in (None, 64):
+  for name, chunk, implementation in (("one pass", None, "auto"), ("two parts", 64, "auto"),
+                                      ("ragged", 64, "ragged")):
+    monkeypatch.setenv("DSPARK_JAX_ATTENTION", implementation)
     run, models = _program((target, draft), chunk, 256, slots=256 + 64)
-    out[chunk] = jax.tree.map(lambda x: np.asarray(x, np.float32), run(*models, prompt, lens))
-  (logits, cache, _), (ref_logits, ref_cache, _) = out[None], out[64]
-  np.testing.assert_allclose(logits, ref_logits, atol=8 * 2.0**-8 * np.abs(ref_logits).max())
+    assert _uses_cudnn(run, models, prompt, lens) == (implementation == "auto"), name
+    out[name] = jax.tree.map(lambda x: np.asarray(x, np.float32), run(*models, prompt, lens))
+  ref_logits, ref_cache, _ = out["ragged"]
   valid = (np.arange(256 + 64)[None, :] < np.asarray(lens)[:, None])[:, None, :, None]
-  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
-    np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0),
-                               atol=8 * 2.0**-8 * np.abs(want).max())
+  for name in ("one pass", "two parts"):
+    logits, cache, _ = out[name]
+    np.testing.assert_allclose(logits, ref_logits, atol=8 * 2.0**-8 * np.abs(ref_logits).max(),
+                               err_msg=name)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+      np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0),
+                                 atol=8 * 2.0**-8 * np.abs(want).max(), err_msg=name)

@@ -25,9 +25,17 @@ at run time.
 
 `attend_causal` is a fresh prefill's attention (positions 0..T-1, nothing before them) over its
 own keys: cuDNN's causal flash attention, the fastest exact candidate measured for it
-(`benchmarks/bench_flash.py`); `choose_causal` says where it runs, and elsewhere the prefill
-attends over its cache through `attend_limited` (the ragged kernel's query tiles, or
-`attend_flash`).
+(`benchmarks/bench_flash.py`). `attend_chunk` is a prefill chunk's past slot 0 (positions
+start_b .. start_b + T - 1): two cuDNN parts, the chunk's queries over the cache before start_b
+(`cudnn_prior_part`, padding mask with per-row ``kv_seqlen``, the cache read in place) and over
+the chunk's own keys (`cudnn_self_part`, causal), joined through cuDNN's log-sum-exp statistics
+(`cudnn_part`, `_join`); JAX's cuDNN entry point has no per-query limits or bottom-right causal
+mask, so one call cannot take the chunk whole. `choose_causal` says where either runs (a GPU,
+bf16/fp16, T a power of two of at least 64; the layer adds: a contiguous cache and consecutive
+positions, `models.layers.CacheUpTo`); elsewhere the prefill attends over its cache through
+`attend_limited` (the ragged kernel's query tiles, or `attend_flash`). Whether the two parts beat
+the ragged kernel over the cache is for `benchmarks/bench_flash.py --chunk` to measure
+(``cudnn_parts``).
 
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their
@@ -188,11 +196,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def choose_causal(q, implementation: str | None = None, platform: str | None = None) -> str | None:
-  """``"cudnn"`` where a fresh causal prefill of queries `q` [B, T, N, D] (positions 0..T-1 of
-  every row, nothing before them) runs as cuDNN's causal flash attention over its own keys
-  (`attend_causal`): ``auto`` or ``cudnn`` requested, T a power of two of at least
-  `FLASH_MIN_QUERIES` (the prompt buckets; at T = 200 cuDNN's causal attention differed from the
-  cache form on an H100), and `cudnn_precondition` holds. Else None: the caller attends over its cache (`attend_limited`),
+  """``"cudnn"`` where a causal chunk of queries `q` [B, T, N, D] at consecutive positions
+  start_b .. start_b + T - 1 of each row, over a contiguous cache (`models.layers.CacheUpTo` with
+  its ``start``), runs through cuDNN's flash attention: `attend_causal` for a fresh prefill (start
+  0 everywhere), `attend_chunk` for a chunk past slot 0. Preconditions: ``auto`` or ``cudnn``
+  requested, T a power of two of at least `FLASH_MIN_QUERIES` (the prompt buckets and prefill
+  chunks; at T = 200 cuDNN's causal attention differed from the cache form on an H100), and
+  `cudnn_precondition` holds. Else None: the caller attends over its cache (`attend_limited`),
   which gives the same result."""
   t = q.shape[1]
   if _requested(implementation) not in ("auto", "cudnn") or t < FLASH_MIN_QUERIES or t & (t - 1):
@@ -213,6 +223,93 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                                  scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.CAUSAL,
                                  qkv_layout="BNTH")
   return jnp.swapaxes(out, 1, 2)
+
+
+# What cuDNN's softmax statistics are, read in jax 0.10.2's
+# jax/_src/cudnn/fused_attention_stablehlo.py (the GPU tests check the claim):
+# * `dot_product_attention(..., return_residual=True)` returns (out, stats): `_dot_product_
+#   attention_fwd` binds with ``is_training=True`` and returns both outputs; the abstract eval and
+#   the lowering give stats the shape ``softmax_stat_shape = (B * max_seg_per_batch, N, T)`` in
+#   float32, row-major (`default_layouts`), whatever the qkv layout: [B, N, T] without packing
+#   (jax/_src/nn/functions.py: "Regardless of input layout, cudnn always returns residual with
+#   (B N T) layout").
+# * They are the log-sum-exp of FlashAttention-2 §3.1.1 (the docstring of ``return_residual``),
+#   in natural log, of the scaled scores ``scale · q·k`` over the keys the mask admits: JAX's XLA
+#   twin (`jax.nn.dot_product_attention(implementation="xla", return_residual=True)`, which stands
+#   in for cuDNN) returns ``logsumexp(scale · q·k masked)``. JAX itself never reads them except to
+#   hand them back to cuDNN's backward pass.
+# * ``q_seqlen`` / ``kv_seqlen`` are int32 of shape [B] (`check_layout`: int32, rank 1 without
+#   offsets, batch B) and are required by ``MaskType.PADDING``; their values go to cuDNN
+#   unchecked. Nothing in JAX says what cuDNN does with ``kv_seqlen = 0`` (a query that sees no
+#   key: XLA's twin would give a uniform softmax over large negative scores), so
+#   `cudnn_prior_part` never passes 0.
+
+
+def cudnn_part(out: jax.Array, stats: jax.Array, heads: int):
+  """cuDNN's head-major output [B, N, T, D] and softmax statistics [B, N, T] (the natural-log
+  log-sum-exp of the scaled scores) as a softmax part (lse, out) laid out by kv head,
+  [B, K, G, T] and [B, K, G, T, D] float32 (`_part`'s layout; query head h = k·G + g)."""
+  b, n, t, d = out.shape
+  return (stats.astype(jnp.float32).reshape(b, heads, n // heads, t),
+          out.astype(jnp.float32).reshape(b, heads, n // heads, t, d))
+
+
+def cudnn_prior_part(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array):
+  """The softmax part of [B, T, N, D] queries over slots ``0 .. start_b - 1`` of row b of a
+  head-major [B, K, S, D] cache (every query of a row the same slots, no causal mask), as (lse,
+  out) in `_part`'s layout; a row with ``start_b = 0`` gets (-inf, zeros).
+
+  cuDNN's flash attention with ``MaskType.PADDING``, ``q_seqlen = T`` and ``kv_seqlen = start``
+  per row, reading the cache in place (``BNTH``). ``kv_seqlen`` is clamped to at least 1 and such
+  rows masked afterwards (see the note above `cudnn_part`). Preconditions: `choose_causal` holds
+  for `q`; ``0 <= start_b <= S``; every slot holds finite values. Slots at or past ``start_b``
+  never reach the result (cuDNN's padding mask; checked on the GPU with large finite values
+  there), but cuDNN multiplies a tile's masked probabilities by its values, so a NaN or inf
+  anywhere in a tile that crosses ``start_b`` would (our caches hold zeros or written keys)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  b, t, n, d = q.shape
+  start = start.astype(jnp.int32)
+  out, stats = fa.dot_product_attention(
+      jnp.swapaxes(q, 1, 2), cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+      q_seqlen=jnp.full((b,), t, jnp.int32), kv_seqlen=jnp.maximum(start, 1),
+      scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.PADDING, qkv_layout="BNTH",
+      return_residual=True)
+  lse, out = cudnn_part(out, stats, cache_k.shape[1])
+  some = (start > 0)[:, None, None, None]
+  return jnp.where(some, lse, -jnp.inf), jnp.where(some[..., None], out, 0.0)
+
+
+def cudnn_self_part(q: jax.Array, k: jax.Array, v: jax.Array):
+  """The softmax part of [B, T, N, D] queries over their own head-major [B, K, T, D] keys/values,
+  query t seeing keys 0..t (causal, top-left), as (lse, out) in `_part`'s layout: cuDNN's flash
+  attention with ``MaskType.CAUSAL`` and its statistics (`choose_causal` must hold for `q`)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  d = q.shape[-1]
+  out, stats = fa.dot_product_attention(
+      jnp.swapaxes(q, 1, 2), k.astype(q.dtype), v.astype(q.dtype), scale=1.0 / float(d) ** 0.5,
+      mask_type=fa.MaskType.CAUSAL, qkv_layout="BNTH", return_residual=True)
+  return cudnn_part(out, stats, k.shape[1])
+
+
+def attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
+                 cache_v: jax.Array, start: jax.Array, *, prior_part=None,
+                 self_part=None) -> jax.Array:
+  """A prefill chunk's attention: [B, T, N, D] queries at positions start_b .. start_b + T - 1 of
+  row b, query t seeing slots ``0 .. start_b - 1`` of the head-major [B, K, S, D] cache and its
+  own chunk's head-major [B, K, T, D] keys/values `k` / `v` up to itself -> [B, T, N, D].
+
+  The same function as `attend_limited` with ``limits = start + t + 1`` over a cache that holds
+  `k` / `v` in slots start_b .. start_b + T - 1 (up to rounding: each part's output is rounded to
+  the dtype before the join), computed as two softmax parts joined through their log-sum-exps
+  (`_join`): ``prior_part(q, cache_k, cache_v, start)`` over the cache before the chunk (default
+  `cudnn_prior_part`) and ``self_part(q, k, v)`` over the chunk, causal (default
+  `cudnn_self_part`). The cache is read in place and only the prior part reads it: nothing at
+  or past slot start_b reaches the result, whatever it holds. The defaults need `choose_causal`
+  to hold for `q`; the parameters let other forms of the parts (the XLA ones of the CPU tests)
+  share the join."""
+  prior_part = prior_part or cudnn_prior_part
+  self_part = self_part or cudnn_self_part
+  return _join(prior_part(q, cache_k, cache_v, start), self_part(q, k, v), q.dtype)
 
 
 def cut_lengths(slots: int, smallest: int = 128, ratio: float = 2 ** 0.5,

@@ -347,6 +347,15 @@ class Attention(nnx.Module):
     return self.o_proj(attention.attend_causal(q, heads_first(k), heads_first(v)).reshape(
         b, t, n * d))
 
+  def attend_chunk(self, q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
+                   cache_v: jax.Array, start: jax.Array) -> jax.Array:
+    """[B, T, N, D] queries at positions start_b .. start_b + T - 1 over slots before start_b of
+    a head-major [B, K, S, D] cache and, causally, over their own token-major [B, T, K, D]
+    keys/values (`kernels.attention.attend_chunk`)."""
+    b, t, n, d = q.shape
+    out = attention.attend_chunk(q, heads_first(k), heads_first(v), cache_k, cache_v, start)
+    return self.o_proj(out.reshape(b, t, n * d))
+
   def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
     """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): laid out per row as
     [B, width] queries, attended as `attend_limited`, and gathered back."""
@@ -403,15 +412,21 @@ class Full:
 
 @dataclasses.dataclass(frozen=True)
 class CacheUpTo:
-  """What a layer attends to in a cache: head-major keys/values [B, K, S, D], query (b, t) seeing
-  slots ``s < limits[b, t]`` ([B, T] int); later slots are never read into a result. `fresh`
-  (static): the queries are positions 0..T-1 of every row and the cache holds nothing before
-  them, so the layer may attend over its own keys instead (`kernels.attention.choose_causal`)."""
+  """What a layer attends to in a contiguous cache: head-major keys/values [B, K, S, D], query
+  (b, t) seeing slots ``s < limits[b, t]`` ([B, T] int); later slots are never read into a result.
+
+  `start` ([B] int, or None): the queries are positions start_b .. start_b + T - 1 of row b,
+  ``limits[b, t] = start_b + t + 1``, and slots start_b .. start_b + T - 1 hold the layer's own
+  keys/values of this call; then the layer may attend to the cache before start_b and to its own
+  keys as two parts (`kernels.attention.attend_chunk`, where `kernels.attention.choose_causal`
+  holds). `fresh` (static): moreover every start is 0 (a one-pass prefill), so the layer attends
+  to its own keys only (`kernels.attention.attend_causal`); it needs no `start`."""
 
   keys: jax.Array
   values: jax.Array
   limits: jax.Array
   fresh: bool = False
+  start: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,8 +534,10 @@ class DecoderLayer(nnx.Module):
     source, aux = gather_kv(k, v)
     if isinstance(source, CachePrefix):
       x = x + self.attention.attend_cached(q, source, k, v)
-    elif isinstance(source, CacheUpTo) and source.fresh and attention.choose_causal(q):
-      x = x + self.attention.attend_causal(q, k, v)
+    elif (isinstance(source, CacheUpTo) and (source.fresh or source.start is not None)
+          and attention.choose_causal(q)):
+      x = x + (self.attention.attend_causal(q, k, v) if source.fresh else
+               self.attention.attend_chunk(q, k, v, source.keys, source.values, source.start))
     elif isinstance(source, CacheUpTo):
       x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
     elif isinstance(source, PackedCache):

@@ -174,7 +174,10 @@ class TargetModel(nnx.Module):
       fresh: (static) every row's positions are 0..T-1 and its cache holds nothing before them (a
         one-pass prefill): each layer may attend over the call's own keys, on a GPU through
         cuDNN's causal flash attention (`kernels.attention.choose_causal`). The same function;
-        checked when `positions` is concrete. A paged cache ignores it.
+        checked when `positions` is concrete. A paged cache ignores it. Without it, a call of
+        T >= 64 queries (a prefill chunk) may attend to the cache before ``start_b`` and to its
+        own keys as two cuDNN parts (`kernels.attention.attend_chunk`), which relies on the
+        positions being consecutive.
 
     Returns:
       logits [B, T, V] (compute dtype), features [B, T, len(feature_layers) * E], the updated cache.
@@ -194,7 +197,7 @@ class TargetModel(nnx.Module):
     def gather_kv(i, k, v):
       keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
       values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
-      return layers.CacheUpTo(keys, values, limits, bool(fresh)), (keys, values)
+      return layers.CacheUpTo(keys, values, limits, bool(fresh), start), (keys, values)
     logits, features, kv = self._run(tokens, positions, gather_kv, head)
     return logits, features, {"k": kv[0], "v": kv[1]}
 
