@@ -30,18 +30,25 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   through c slots (``--kv paged``: in one page pool), under each of ``--schedules``: ``plain``
   (no speculation), ``fixed``, ``threshold`` (``--threshold``), ``top_k`` and ``prefix`` with the
   round table ``dj.profile_sps(target, draft, batch_size=c, draft_cost=True)`` measured at that c
-  (at the mean prompt length + LO as context; the schedules pack into its buckets). Reported:
-  tokens/s per GPU (all tokens over the run's seconds), tokens/s per user (the mean over prompts
-  of a prompt's tokens over its seconds in a slot, admission to finish), τ, verify tokens per row
-  and round, occupancy, the mean time to first token (from the start of the run, queueing
+  (at the mean prompt length + LO as context; the schedules pack into its buckets). ``fixed``
+  and the schedules run as options of one compiled program (`SharedSchedules`; ``fixed`` packs
+  every row's γ + 1 tokens into the largest bucket, the dense verify's tokens), ``plain`` in its
+  own. Each run measures the **steady state**: it ends when the slots stop being saturated (the
+  queue has emptied and a row finished: `dj.Engine.generate(drain=False)`), so the drain at the
+  end, where a few long rows run alone, is left out; ``--drain`` runs every prompt to its end.
+  Reported: tokens/s per GPU (all tokens over the run's seconds), tokens/s per user (the mean over
+  prompts of a prompt's tokens over its seconds in a slot, admission to end), τ, verify tokens per
+  row and round, occupancy, the mean time to first token (from the start of the run, queueing
   included), the cost model's tokens/s (busy rows × τ × the round table's rate at their verify
-  tokens; measured / model in the table) and the warm-up's seconds (compilation) apart.
+  tokens; measured / model in the table) and the compilation's seconds apart (the warm-up's and
+  any in the measured runs, which the queue's clock leaves out).
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
-tokens/s). In the throughput study the warm-up's outputs are cut to 2 · ``--rounds-per-call`` ·
-(γ + 1) tokens (every program still runs), the scheduled runs of a concurrency share one compiled
-program (`SharedSchedules`), and ``--budget-s`` bounds the study: past it no new cell starts.
+tokens/s). In the throughput study the warm-up is c prompts with outputs cut to 2 ·
+``--rounds-per-call`` · (γ + 1) tokens (the chunk program and the first refill compile; refills
+of other sizes compile when first met, outside the clock), and ``--budget-s`` bounds the study:
+past it no new cell starts.
 
 * **Synthetic acceptance** (``--synthetic [c_1,...,c_γ]``, default `synthetic.DEFAULT_RATES`, τ ≈ 3.66
   at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
@@ -56,7 +63,7 @@ program (`SharedSchedules`), and ``--budget-s`` bounds the study: past it no new
   python -m benchmarks.bench_serving --shipped --studies throughput --json serving.json
   python -m benchmarks.bench_serving --synthetic --studies throughput --json synthetic.json
   python -m benchmarks.bench_serving --synthetic --studies throughput --kv paged \
-      --concurrency 1,16,64,128,256 --prompt-lengths 128,1024 --lengths 64,2048 --per-slot 1 \
+      --concurrency 256,128,64,16,1 --prompt-lengths 128,1024 --lengths 64,2048 --per-slot 2 \
       --spread 2 --repeats 1 --json sweep.json                       # the serving sweep
 """
 
@@ -151,6 +158,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--budget-s", type=float, default=None,
                       help="throughput study: start no new cell past this many seconds (the "
                            "skipped cells are listed; default: no limit)")
+  parser.add_argument("--drain", action=argparse.BooleanOptionalAction, default=False,
+                      help="throughput study: run every prompt to its end (--drain), or end each "
+                           "run when the slots stop being saturated (default: the steady state; "
+                           "`dj.Engine.generate(drain=False)`)")
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--gamma", type=int, default=None,
                       help="random pair: γ (default 7; with --synthetic, the number of rates)")
@@ -276,15 +287,17 @@ def _median_by_rate(runs: list[dict]) -> dict:
 # ---- occupancy ---------------------------------------------------------------------------------
 
 
-def queue_run(engine, prompts, budgets, temperature) -> dict:
+def queue_run(engine, prompts, budgets, temperature, drain: bool = True) -> dict:
   return queue_stats(engine.generate(prompts, _params(len(prompts), temperature),
-                                     jax.random.key(0), max_new_tokens=budgets))
+                                     jax.random.key(0), max_new_tokens=budgets, drain=drain))
 
 
 def queue_stats(out) -> dict:
   """The figures of a `QueueResult` the studies report."""
   per_user = [r.tokens_per_second for r in out.results]
   return {"tokens": int(out.lengths.sum()), "seconds": out.wall_seconds,
+          "compile_s": out.compile_seconds,
+          "unfinished": sum(r == "unfinished" for r in out.finish_reason),
           "tokens_per_s": out.tokens_per_second, "occupancy": out.occupancy,
           "per_user_tokens_per_s": float(np.mean(per_user)), "tau": out.tau,
           "verify_tokens": out.verify_tokens, "rounds": out.rounds,
@@ -454,8 +467,8 @@ class SharedSchedules:
 
 
 def warm_budgets(budgets: np.ndarray, gamma: int, rounds_per_call: int) -> np.ndarray:
-  """The warm-up's output lengths: short enough to finish in a few chunks, long enough that
-  every program of the measured run (refill, chunk) runs and compiles."""
+  """The warm-up's output lengths: short enough to finish in a few chunks, long enough that the
+  chunk program runs after refills (so it and the refills compile)."""
   return np.minimum(budgets, 2 * rounds_per_call * (gamma + 1)).astype(budgets.dtype)
 
 
@@ -486,7 +499,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
       table = profile.dense()
       print(f"c={c}: rounds/s per verify bucket {profile.table()} "
             f"({time.perf_counter() - start:.1f} s)", flush=True)
-      options = {"threshold": lambda: dj.schedules.threshold(args.threshold),
+      options = {"fixed": dj.schedules.fixed,
+                 "threshold": lambda: dj.schedules.threshold(args.threshold),
                  "top_k": lambda: dj.schedules.top_k(profile),   # its table and its buckets
                  "prefix": lambda: dj.schedules.prefix(profile)}
       chosen = {n: make() for n, make in options.items() if n in args.schedules}
@@ -498,10 +512,10 @@ def throughput_study(work: Workload, args) -> list[dict]:
       if args.budget_s and time.perf_counter() - began > args.budget_s:
         skipped.append(f"{c}/{name}")
         continue
-      if name in ("plain", "fixed"):
-        engines[name] = dj.Engine(work.target, None if name == "plain" else work.draft,
-                                  max_batch_size=c, max_seq_len=work.max_seq_len,
-                                  spec=name != "plain", refill_at=args.refill_at,
+      if name == "plain":
+        engines[name] = dj.Engine(work.target, None, max_batch_size=c,
+                                  max_seq_len=work.max_seq_len, spec=False,
+                                  refill_at=args.refill_at,
                                   rounds_per_call=args.rounds_per_call, kv=args.kv,
                                   headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines[name]
@@ -514,22 +528,25 @@ def throughput_study(work: Workload, args) -> list[dict]:
                                         rounds_per_call=args.rounds_per_call, kv=args.kv,
                                         headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines["shared"]
-      warm = min(count, 2 * c)
+      warm = min(count, c)
       short = warm_budgets(budgets[:warm], gamma, args.rounds_per_call)
       start = time.perf_counter()
       for _ in range(args.warmup):
         queue_run(engine, prompts[:warm], short, args.temperature)
       first_s = time.perf_counter() - start
-      runs = [queue_run(engine, prompts, budgets, args.temperature) for _ in range(args.repeats)]
+      runs = [queue_run(engine, prompts, budgets, args.temperature, drain=args.drain)
+              for _ in range(args.repeats)]
       r = dict(_median_by_rate(runs), concurrency=c, schedule=name, prompts=count,
-               repeats=[x["tokens_per_s"] for x in runs], warmup_s=first_s)
+               repeats=[x["tokens_per_s"] for x in runs], warmup_s=first_s,
+               compile_s=first_s + sum(x["compile_s"] for x in runs))
       r["model_tokens_per_s"] = model_tokens_per_s(r, c, None if name == "plain" else table)
       results.append(r)
       model = r["model_tokens_per_s"]
       print(f"  c={c} {name}: {r['tokens_per_s']:.0f} tokens/s per GPU, "
             f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, verify "
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
-            f"{'-' if model is None else f'{model:.0f}'}, warm-up (compiling) {first_s:.1f} s "
+            f"{'-' if model is None else f'{model:.0f}'}, {r['unfinished']} unfinished, "
+            f"warm-up {first_s:.1f} s, compiling in all {r['compile_s']:.1f} s "
             f"[{time.perf_counter() - began:.0f} s]", flush=True)
   if skipped:
     print(f"skipped past --budget-s {args.budget_s:g}: {skipped}", flush=True)

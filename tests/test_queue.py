@@ -72,6 +72,34 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
     assert r.ttft_seconds >= 0 and r.seconds >= 0 and r.tokens.size == result.lengths[r.index]
 
 
+@pytest.mark.parametrize("spec", [True, False])
+def test_an_undrained_run_ends_when_saturation_ends(pair, spec):
+  # drain=False (the steady-state measurement of bench_serving): the same 6 prompts through 2
+  # slots end at the first boundary after the queue empties with a slot free. Every prompt was
+  # admitted; those done equal the drained run's; the rest are "unfinished", their tokens a
+  # strict prefix of the drained run's (or equal, at most: a row may reach its end in the same
+  # chunk); at least one slot was still decoding, so the run has fewer rounds.
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  engine = dj.Engine(target, draft if spec else None, max_batch_size=2, spec=spec)
+  full, cut = (engine.generate(PROMPTS, params, jax.random.key(5), max_new_tokens=BUDGETS,
+                               stop_token_ids=[STOP], drain=drain) for drain in (True, False))
+  reasons = cut.finish_reason
+  assert "unfinished" in reasons and set(reasons) <= set(full.finish_reason) | {"unfinished"}
+  assert cut.rounds < full.rounds
+  for i, r in enumerate(cut.results):
+    whole = full.results[i]
+    if r.finish_reason == "unfinished":
+      assert not cut.finished[i] and r.tokens.size <= whole.tokens.size
+      np.testing.assert_array_equal(r.tokens, whole.tokens[:r.tokens.size])
+    else:
+      assert r.finish_reason == whole.finish_reason
+      np.testing.assert_array_equal(r.tokens, whole.tokens)
+  # The queue is not the limit until its last refill: every prompt ran, and those unfinished are
+  # the ones in the slots at the end (at most S).
+  assert all(r.slot in (0, 1) for r in cut.results) and reasons.count("unfinished") <= 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [True, False])
 def test_each_prompt_decodes_as_alone(pair, spec):

@@ -182,7 +182,8 @@ class Engine:
                max_new_tokens: int | Sequence[int] = 32,
                stop_token_ids: Sequence[int] | np.ndarray = (), stop_sequences=(),
                progress: bool = False,
-               on_finish: Callable[[PromptResult], Any] | None = None) -> QueueResult:
+               on_finish: Callable[[PromptResult], Any] | None = None,
+               drain: bool = True) -> QueueResult:
     """Decodes N prompts (any N >= 1) through the engine's S slots.
 
     Args:
@@ -191,6 +192,11 @@ class Engine:
         whichever slot it lands in.
       progress: a tqdm progress bar over prompts.
       on_finish: called with each `PromptResult` as its prompt finishes (in finishing order).
+      drain: True (default) runs until every prompt is done. False ends the run at the first
+        boundary after the queue has emptied where a slot is free, i.e. when the slots stop being
+        saturated: the prompts still decoding then are returned as they stand, with
+        ``finish_reason="unfinished"`` (their tokens a prefix of a drained run's). For steady-state
+        throughput measurements (`benchmarks/bench_serving.py`), not for serving.
 
     Returns:
       A `QueueResult`, prompts in input order.
@@ -267,6 +273,8 @@ class Engine:
     light = None
     try:
       while queue or (owner >= 0).any():
+        if not drain and not queue and light is not None:
+          break                                 # saturation ended (see `drain`)
         if pages is not None and light is not None:
           for slot, index in pages.grow(owner, light):  # preempted, newest first
             saved[index] = {k: light[k][slot] for k in light_keys}
@@ -307,7 +315,7 @@ class Engine:
           state.update(pages.with_table(state))
         # slots free now (the pool may have admitted no one into them) + those to wait for
         need = (int((owner < 0).sum()) + min(self.refill_at, len(queue)) if queue
-                else slots_n + 1)
+                else slots_n + 1 if drain else int((owner < 0).sum()) + 1)
         queued = bool(queue)
         args = (*models, state, inputs, key, np.int32(need), owner < 0)
         program, seconds = compile_cache.compiled(_chunk_program, args, chunk_statics, donate=(2,))
@@ -337,4 +345,6 @@ class Engine:
           f"max_batch_size (concurrency), max_new_tokens or max_seq_len") from error
     finally:
       run.close()
+    for slot in np.flatnonzero(owner >= 0):  # drain=False: the rows still decoding
+      run.finished(int(owner[slot]), int(slot), light, reason="unfinished")
     return run.result(budgets, path, choice, slots_n, cache_len, pages)

@@ -22,7 +22,8 @@ class PromptResult:
   Attributes:
     index: the prompt's position in the input.
     tokens: [n] int32 generated tokens.
-    finish_reason: "stop_token", "stop_sequence" or "length".
+    finish_reason: "stop_token", "stop_sequence" or "length"; "unfinished" for a prompt still
+      decoding when a run with ``drain=False`` ended (its tokens so far).
     stop_index: the matched stop sequence's index, -1 otherwise.
     rounds: iterations the prompt was active (speculative rounds; 0 for the baseline).
     accepted_drafts: drafts accepted over those rounds.
@@ -144,7 +145,7 @@ class QueueResult:
 
   @property
   def finished(self) -> np.ndarray:
-    return np.array([r.finish_reason != "length" for r in self.results])
+    return np.array([r.finish_reason in ("stop_token", "stop_sequence") for r in self.results])
 
   @property
   def stop_index(self) -> np.ndarray:
@@ -232,11 +233,12 @@ class _Run:
   def traced(self, trace, iterations: int):
     self.traces.append({k: np.asarray(v)[:iterations] for k, v in trace.items()})
 
-  def finished(self, index: int, slot: int, light):
+  def finished(self, index: int, slot: int, light, reason: str | None = None):
+    """Prompt `index` in `slot` ended (`reason`: as read from `light`, or "unfinished")."""
     n = int(light["count"][slot])
     stop_index = int(light["stop_index"][slot]) if "stop_index" in light else -1
-    reason = ("stop_sequence" if stop_index >= 0 else
-              "stop_token" if light["finished"][slot] else "length")
+    reason = reason or ("stop_sequence" if stop_index >= 0 else
+                        "stop_token" if light["finished"][slot] else "length")
     rounds = int(light["row_rounds"][slot]) if "row_rounds" in light else 0
     verified = (int(light["row_verified"][slot]) if "row_verified" in light
                 else (self.gamma + 1) * rounds)
