@@ -20,8 +20,9 @@ p < α = 1e-4. The throughput profiles (R rows, n = 0..R·(γ + 1)):
   halved, a dip after the first admissions;
 * cliff (R = 1): sps = [·, 1, 0.5, 0.34, 0.3]: only the third admission can beat none;
 * capped: the smooth profile cut at 2R + 1 entries (at most R drafts verified per round in all);
-* buckets: a step table (token counts rounded up to buckets of max(2, R)), where `prefix` tests
-  each admission against the best Θ of its plateau.
+* buckets: a step table (token counts rounded up to buckets of max(2, R); for R = 1,
+  [·, 1, 1, 0.8, 0.8]), where `prefix` admits freely inside a plateau and enters the next one on
+  the Θ it guarantees (the entry's survival and the other rows' frontiers).
 
 What a decision may read. ``verify_lens = 1 + ℓ`` feeds the anchor and ℓ drafts to the target, whose
 ℓ + 1 rows check drafts 1..ℓ + 1 (draft ℓ + 1, when accepted, is the bonus). So x_j is checked iff
@@ -111,6 +112,9 @@ def cliff(rows):
 def buckets(rows):
   # A packed verify's step table: token counts rounded up to buckets of max(2, rows) tokens, each
   # costing as the smooth profile's bucket end; plateaus of equal values (`prefix`'s plateau test).
+  # One row: buckets of 2 tokens, the second 1.25× as costly (so entering it pays on some draws).
+  if rows == 1:
+    return np.array([0.0, 1.0, 1.0, 0.8, 0.8])
   step = max(2, rows)
   n = np.arange(rows * 4 + 1)
   return 1.0 / (rows + step * np.ceil(n / step))

@@ -40,15 +40,17 @@ to τ, Θ_k = τ_k·sps[A + k]. An admission that would reach ``len(sps)`` token
   up to it, which depend on x_{r,<j} and on other rows, never on x_{r,j} itself: it is
   non-anticipating, hence lossless. **Plateaus.** A packed verify's cost is a step function of the
   batch tokens (one value per token bucket), and there Algorithm 1's test stalls at the first
-  bucket boundary: one admission adds at most 1 to τ but costs the whole next bucket's drop. So
-  the test of the k-th admission compares, instead of Θ_k, the Θ its plateau (the run of equal
-  ``sps`` values it falls in) would reach if the plateau's remaining tokens were admitted with the
-  k-th survival (an upper bound: later survivals are not larger); the best so far is still the
-  largest Θ actually reached. When the walk stops, the plateau it stands in is filled (the
-  admissions left in it cost nothing more, so each raises Θ). On a table without equal
-  neighbours this is exactly Algorithm 1. Whether the pair ranked m is admitted reads only the
-  survivals ranked up to m (the walk's tests before it; a stop before m admits m exactly when m
-  lies in the stopping plateau), so it is as lossless.
+  bucket boundary: one admission adds at most 1 to τ but costs the whole next bucket's drop. So an
+  admission inside the plateau the walk stands in (the run of equal ``sps`` values) is made (it
+  raises Θ), and one that enters a new plateau is tested on the Θ that plateau *guarantees*: its
+  own survival plus, for the plateau's other tokens, the largest *frontiers* (each row's first
+  pair not yet admitted; the entering pair's own row left out). The pairs the order admits there
+  are at least as large, so once entered, the plateau ends at a Θ above the best so far, and the
+  walk stops only at a plateau's edge: it never ends below Algorithm 1's Θ on the same
+  confidences (the walks agree up to Algorithm 1's stop). On a table without equal neighbours this
+  is exactly Algorithm 1. Whether (r, j) is admitted reads survivals ranked before it and the
+  frontiers of the other rows (functions of their own drafts), never a survival of row r past j,
+  so it is as lossless.
 * `top_k`: the production variant (§5.2): a budget K = the first argmax over k of Θ_k with no early
   stop, computed on the survivals of `lag` rounds ago (all ones until `lag` rounds have run), then
   the K first pairs of the admission order on *current* survivals. K does not depend on the current
@@ -315,27 +317,40 @@ def threshold(t: float) -> Schedule:
 
 @jax.jit
 def _prefix_lens(c: jax.Array, active: jax.Array, table: jax.Array, limit: jax.Array) -> jax.Array:
-  """Algorithm 1 on checked inputs and a `_fit_table` table."""
+  """Algorithm 1 with the plateau test (module docstring) on checked inputs and a `_fit_table`
+  table."""
+  batch, gamma = c.shape
   a = survivals(c)
   candidate = active[:, None] & (a > 0)
   sorted_a, rank, count = _admission_order(a, candidate)
   n_active = jnp.sum(active, dtype=jnp.int32)
   theta, possible = _throughput_path(sorted_a, count, n_active, table, limit)
-  # The k-th admission's test (module docstring, Plateaus): the Θ its plateau of `table` reaches
-  # when the plateau's tokens up to its end are admitted with survival a_k.
+  # Before the k-th admission (k = 0..B·γ-1, pair (r_k, j_k)): each row's frontier, the survival of
+  # its first pair not yet admitted (0 past γ or for a non-candidate), row r_k's left out.
+  row = jnp.zeros(batch * gamma, jnp.int32).at[rank.reshape(-1)].set(
+      jnp.repeat(jnp.arange(batch, dtype=jnp.int32), gamma))
+  mine = jax.nn.one_hot(row, batch, dtype=jnp.int32)                       # [B·γ, B]
+  made_before = jnp.cumsum(mine, axis=0) - mine                             # [B·γ, B]
+  padded = jnp.concatenate([jnp.where(candidate, a, 0.0), jnp.zeros((batch, 1), a.dtype)], axis=1)
+  frontier = padded[jnp.arange(batch)[None, :], made_before]               # [B·γ, B]
+  frontier = jnp.where(mine > 0, 0.0, frontier)
+  # The plateau (run of equal `table` values) the k-th admission's tokens t_k = A + k + 1 fall in.
   index = jnp.arange(table.shape[0], dtype=jnp.int32)
   last = (index + 1 >= limit) | (table != jnp.roll(table, -1))
   plateau_end = jax.lax.cummin(jnp.where(last, index, table.shape[0]), reverse=True)
-  tokens = jnp.clip(n_active + jnp.arange(1, theta.shape[0], dtype=jnp.int32), 0, table.shape[0] - 1)
-  tau_before = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))[:-1]
-  reach = (tau_before + sorted_a * (plateau_end[tokens] - tokens + 1)) * table[tokens]
-  better = possible[1:] & (reach > jax.lax.cummax(theta[:-1]))
+  tokens = jnp.clip(n_active + 1 + jnp.arange(batch * gamma, dtype=jnp.int32), 1,
+                    table.shape[0] - 1)
+  entry = table[tokens] != table[tokens - 1]
+  # A guaranteed fill of the plateau: its other tokens taken by the largest frontiers (the pairs
+  # the order admits there are at least as large), read from no later pair of row r_k.
+  largest = jnp.cumsum(-jnp.sort(-frontier, axis=1), axis=1)
+  largest = jnp.concatenate([jnp.zeros((batch * gamma, 1), largest.dtype), largest], axis=1)
+  others = jnp.clip(plateau_end[tokens] - tokens, 0, batch)
+  fill = jnp.take_along_axis(largest, others[:, None], axis=1)[:, 0]
+  tau = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))[1:]
+  floor = (tau + fill) * table[tokens]
+  better = possible[1:] & (~entry | (floor > jax.lax.cummax(theta)[:-1]))
   made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
-  # A plateau once entered is filled: the admissions left in the plateau of the tokens made cost
-  # nothing more, so each raises Θ.
-  at = jnp.clip(n_active + made, 0, table.shape[0] - 1)
-  cap = jnp.maximum(jnp.minimum(count, limit - 1 - n_active), made)
-  made = jnp.minimum(made + plateau_end[at] - at, cap)
   return _lengths(candidate & (rank < made), active)
 
 
@@ -365,7 +380,9 @@ def prefix(sps) -> Schedule:
 
   Admissions are made in the admission order (module docstring) while each one raises
   Θ = τ·sps[B] strictly above the best so far; the walk stops at the first that does not, at the
-  last candidate, or before an admission that would reach ``len(sps)`` tokens.
+  last candidate, or before an admission that would reach ``len(sps)`` tokens. On a step table an
+  admission that enters a new plateau is tested on the Θ the plateau guarantees (module docstring,
+  Plateaus); the result's Θ is never below Algorithm 1's own.
 
   Args:
     sps: 1-D table, ``sps[n]`` = verify steps per second at n batch tokens; ``sps[n]`` for n ≥ 1 must
