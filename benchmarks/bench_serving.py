@@ -82,6 +82,7 @@ import dspark_jax as dj
 from benchmarks import bench_decode
 from benchmarks import harness
 from benchmarks import synthetic
+from dspark_jax.decoding import compile_cache
 from dspark_jax.models import target as tm
 
 STUDIES = ("occupancy", "memory", "throughput")
@@ -485,6 +486,16 @@ class SharedSchedules:
     self.pick = self.names.index(name)
 
 
+def compile_summary(log: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
+  """{program name: (compilations, seconds)} of a `compile_cache.compile_log` slice."""
+  out: dict[str, tuple[int, float]] = {}
+  for name, seconds in log:
+    key = name.strip("_").replace("_program", "")
+    count, total = out.get(key, (0, 0.0))
+    out[key] = (count + 1, total + seconds)
+  return out
+
+
 def warm_budgets(budgets: np.ndarray, gamma: int, rounds_per_call: int) -> np.ndarray:
   """The warm-up's output lengths: short enough to finish in a few chunks, long enough that the
   chunk program runs after refills (so it and the refills compile)."""
@@ -549,6 +560,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
         engine = engines["shared"]
       warm = min(count, c)
       short = warm_budgets(budgets[:warm], gamma, args.rounds_per_call)
+      logged = len(compile_cache.compile_log())
       start = time.perf_counter()
       for _ in range(args.warmup):
         queue_run(engine, prompts[:warm], short, args.temperature)
@@ -557,7 +569,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
               for _ in range(args.repeats)]
       r = dict(_median_by_rate(runs), concurrency=c, schedule=name, prompts=count,
                repeats=[x["tokens_per_s"] for x in runs], warmup_s=first_s,
-               compile_s=first_s + sum(x["compile_s"] for x in runs))
+               compile_s=first_s + sum(x["compile_s"] for x in runs),
+               compiled=compile_summary(compile_cache.compile_log()[logged:]))
       r["model_tokens_per_s"] = model_tokens_per_s(r, c, None if name == "plain" else table)
       results.append(r)
       model = r["model_tokens_per_s"]
@@ -566,6 +579,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
             f"{'-' if model is None else f'{model:.0f}'}, {r['unfinished']} unfinished, "
             f"warm-up {first_s:.1f} s, compiling in all {r['compile_s']:.1f} s "
+            f"({', '.join(f'{n} {k}: {t:.0f} s' for n, (k, t) in r['compiled'].items())}) "
             f"[{time.perf_counter() - began:.0f} s]", flush=True)
   if skipped:
     print(f"skipped past --budget-s {args.budget_s:g}: {skipped}", flush=True)

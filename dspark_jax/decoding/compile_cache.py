@@ -3,7 +3,8 @@
 This module owns `_COMPILED` and `compiled`: a program (the fixed batch's decode, the queue's
 refill and chunk) compiled ahead of time for its arguments' shapes and dtypes and its static
 keywords, so calls in the same padding buckets never recompile (a schedule is part of the key by
-identity: reuse the object), and `compiled_programs`, their count (for compile guards).
+identity: reuse the object), `compiled_programs`, their count (for compile guards), and
+`compile_log`, what each compilation cost.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import numpy as np
 
 _COMPILED: dict[tuple, Any] = {}
 """Compiled decode programs of this process, keyed by everything that fixes their shape."""
+
+_LOG: list[tuple[str, float]] = []
+"""(program name, seconds) of every compilation of this process, in order."""
 
 
 def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
@@ -32,9 +36,16 @@ def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tu
   program = jax.jit(fn, static_argnames=tuple(statics), donate_argnums=donate).lower(
       *args, **statics).compile()
   _COMPILED[signature] = program
-  return program, time.perf_counter() - start
+  seconds = time.perf_counter() - start
+  _LOG.append((signature[0], seconds))
+  return program, seconds
 
 
 def compiled_programs() -> int:
   """How many decode programs this process has compiled (for compile guards)."""
   return len(_COMPILED)
+
+
+def compile_log() -> list[tuple[str, float]]:
+  """(program name, seconds) of every decode program this process compiled, in order (a copy)."""
+  return list(_LOG)
