@@ -237,6 +237,59 @@ def test_data_parallel_over_four_devices_equals_one_device():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_target_split_over_tp_trains_as_on_one_device():
+  # The frozen target laid out by `dspark_jax.shard` over a (dp 2, tp 2) mesh of 4 CPU devices
+  # (weights, heads and vocabulary split over tp), the batch over dp: the losses and parameters
+  # of 2 steps equal one device's within rounding, and the target keeps its split layout.
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+  config = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(0,),
+                           layer=layers.LayerShape(hidden_size=16, num_heads=2, num_kv_heads=2,
+                                                   head_dim=8, intermediate_size=32))
+  sequences = np.random.default_rng(2).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=5)
+
+  def trainer(mesh=None):
+    target = tm.TargetModel(config, rngs=nnx.Rngs(0))
+    if mesh is not None:
+      target, _ = placement.shard(target, None, mesh, tp="tp", dp="dp")
+    draft = dm.DSparkDraft(dm.DraftConfig(gamma=2, num_layers=1, target_layer_ids=(0,),
+                                          mask_token_id=63, rank=4), config, rngs=nnx.Rngs(1))
+    return training.Trainer(draft, _draft_loss, _OPTIMIZER, frozen=target,
+                            master_dtype=jnp.float32, mesh=mesh)
+
+  one = trainer()
+  one.train(batches, 2, progress=False)
+  split = trainer(placement.make_mesh(2, 2))
+  split.train(batches, 2, progress=False)
+  embedding = split.frozen_state["embed"]["embedding"][...]   # what the steps read
+  assert not embedding.sharding.is_fully_replicated             # still split over tp
+  np.testing.assert_allclose([h["loss"] for h in one.history],
+                             [h["loss"] for h in split.history], rtol=1e-5)
+  for a, b in zip(_leaves(one.params), _leaves(split.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # a second short training run through the command
+def test_the_command_trains_with_the_target_split_over_tp(chain_dir, tmp_path):
+  # `dspark-jax train --dp 2 --tp 2`: 4 steps on 4 CPU devices, the held-out τ measured on the
+  # split pair, and the drafter written and loadable.
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+  _, target, data = chain_dir
+  out = str(tmp_path / "drafter")
+  assert cli.main(["train", "--target", target, "--data", data, "--out", out, "--layers", "1",
+                   "--gamma", "3", "--rank", "8", "--steps", "4", "--batch-size", "4",
+                   "--seq-len", "64", "--anchors", "8", "--heldout", "2", "--eval-every", "4",
+                   "--eval-tokens", "6", "--dp", "2", "--tp", "2"]) == 0
+  with open(os.path.join(out, "training", "history.json")) as f:
+    log = json.load(f)
+  assert log["step"] == 4 and [e["step"] for e in log["evaluations"]] == [0, 4]
+  assert all(e["tau"] >= 1.0 for e in log["evaluations"])
+  _, draft = dspark_jax.load_pretrained(target, out)
+  assert draft.config.gamma == 3
+
+
 # ---- data --------------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 
 * ``dspark-jax train --target DIR --data FILE.jsonl --out DIR [--layers N --gamma G --rank R
   --head vanilla|gated|rnn|none --no-confidence --target-layers 1,9,17 --mask-token-id ID
-  --steps N --batch-size B --seq-len L --anchors A --lr LR --accumulate K --dp N --seed S
+  --steps N --batch-size B --seq-len L --anchors A --lr LR --accumulate K --dp N --tp N --seed S
   --thinking on|off --heldout N --eval-every N --eval-tokens N --checkpoint-every N
   --format deepspec|speculators --dtype D --max-seconds S]``: `dspark_jax.train.drafter.train_drafter`;
   prints a one-line summary. Rerunning with the same ``--out`` resumes.
@@ -65,6 +65,9 @@ def add_parsers(sub) -> None:
   run.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
   run.add_argument("--accumulate", type=flags.positive, default=1, help="micro-batches per step")
   run.add_argument("--dp", type=flags.positive, default=1, help="data-parallel devices")
+  run.add_argument("--tp", type=flags.positive, default=1,
+                   help="devices the target is split over (tensor parallel), for a target too "
+                        "large for one device; the run uses dp * tp devices")
   run.add_argument("--seed", type=flags.seed, default=0)
   run.add_argument("--thinking", type=_thinking, default=None,
                    help="the chat template's enable_thinking: on or off (default: the template's)")
@@ -113,7 +116,8 @@ def train(args) -> int:
   try:
     options = drafter.TrainOptions(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors=args.anchors,
-        learning_rate=args.lr, accumulate=args.accumulate, dp=args.dp, seed=args.seed,
+        learning_rate=args.lr, accumulate=args.accumulate, dp=args.dp, tp=args.tp,
+        seed=args.seed,
         thinking=args.thinking, heldout=args.heldout, eval_every=args.eval_every,
         eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
         log_every=args.log_every, format=args.format, max_seconds=args.max_seconds)

@@ -109,6 +109,9 @@ class TrainOptions:
     seq_len: tokens per packed row. anchors: blocks per sequence.
     learning_rate, warmup_fraction: the peak rate and the warm-up's share of the steps.
     accumulate: micro-batches per step. dp: data-parallel devices (a mesh axis "dp").
+    tp: devices the frozen target is split over (mesh axis "tp", `dspark_jax.shard`'s layout: its
+      weights, heads and vocabulary), for a target too large for one device; the mesh has
+      ``dp * tp`` devices and the draft is replicated over it.
     seed: the draft's initialisation and the data order.
     thinking: ``enable_thinking`` for the chat template (None: the template's default).
     heldout: conversations kept out of training for the held-out τ (0: none).
@@ -129,6 +132,7 @@ class TrainOptions:
   warmup_fraction: float = 0.04
   accumulate: int = 1
   dp: int = 1
+  tp: int = 1
   seed: int = 0
   thinking: bool | None = None
   heldout: int = 8
@@ -140,8 +144,8 @@ class TrainOptions:
   max_seconds: float | None = None
 
   def __post_init__(self):
-    for name in ("steps", "batch_size", "seq_len", "anchors", "accumulate", "dp", "eval_tokens",
-                 "checkpoint_every", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "anchors", "accumulate", "dp", "tp",
+                 "eval_tokens", "checkpoint_every", "log_every"):
       validation.check_positive_int(name, getattr(self, name))
     for name in ("heldout", "eval_every", "seed"):
       validation.check_nonnegative_int(name, getattr(self, name))
@@ -273,13 +277,17 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
   prompts = [tokenizer.encode_chat(c.prompt(), add_generation_prompt=True,
                                    **options.template_kwargs) for c in heldout_part]
   stops = [i for i in tokenizer.stop_token_ids if i < target.config.vocab_size]
+  mesh = (None if options.dp * options.tp == 1 else
+          placement.make_mesh(options.tp, options.dp))
+  if options.tp > 1:
+    target, _ = placement.shard(target, None, mesh, tp="tp", dp="dp")
   evaluate = None
   if prompts:
     def evaluate(model):
-      return heldout_tau(target, model, prompts, max_new_tokens=options.eval_tokens,
+      pair = (target, model) if options.tp == 1 else placement.shard(target, model, mesh, tp="tp")
+      return heldout_tau(*pair, prompts, max_new_tokens=options.eval_tokens,
                          stop_token_ids=stops)
 
-  mesh = None if options.dp == 1 else placement.make_mesh(1, options.dp)
   schedule = training.make_schedule(options.learning_rate, options.steps,
                                     warmup_fraction=options.warmup_fraction)
   trainer = training.Trainer(

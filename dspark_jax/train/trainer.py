@@ -196,6 +196,12 @@ def _step_program(graphdef, frozen_def, loss_fn, optimizer, shapes, parts: int):
   return program
 
 
+def _laid_out_on(x, mesh) -> bool:
+  """Whether array `x` already has a `NamedSharding` over `mesh`."""
+  sharding = getattr(x, "sharding", None)
+  return isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh
+
+
 @dataclasses.dataclass
 class Trainer:
   """Trains the nnx.Param leaves of `model` with ``loss_fn(model, frozen, batch) -> (loss, metrics)``.
@@ -217,8 +223,10 @@ class Trainer:
       interleaved parts (row i goes to part i mod `accumulate`), their gradients averaged before
       one update.
     mesh, data_axis: data parallelism: every batch leaf is sharded along axis 0 over mesh axis
-      `data_axis`, parameters, optimizer state and `frozen` are replicated, and jit's SPMD
-      partitioner inserts the gradient reduction.
+      `data_axis`, parameters and optimizer state are replicated, and jit's SPMD partitioner
+      inserts the gradient reduction. `frozen` is replicated too, but for the leaves already laid
+      out on `mesh` (a target sharded by `dspark_jax.shard` over the mesh's tensor axis), which
+      keep their layout.
     schedule: ``step -> learning rate``, shown on the progress bar and logged.
     tokens_per_step: tokens one step trains on, for the bar's tokens/s.
     evaluate, evaluate_every: ``evaluate(model) -> {name: float}`` run before the first step,
@@ -265,8 +273,11 @@ class Trainer:
     self.frozen_def, self.frozen_state = (None, None) if self.frozen is None else nnx.split(self.frozen)
     if self.mesh is not None:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      self.params, self.opt_state, self.rest, self.frozen_state = jax.device_put(
-          (self.params, self.opt_state, self.rest, self.frozen_state), replicated)
+      self.params, self.opt_state, self.rest = jax.device_put(
+          (self.params, self.opt_state, self.rest), replicated)
+      self.frozen_state = jax.tree.map(
+          lambda x: x if _laid_out_on(x, self.mesh) else jax.device_put(x, replicated),
+          self.frozen_state)
     self._step_fn = _step_program(self.graphdef, self.frozen_def, self.loss_fn, self.optimizer,
                                   self.shapes, self.accumulate)
 
