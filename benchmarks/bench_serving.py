@@ -39,9 +39,10 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   Reported: tokens/s per GPU (all tokens over the run's seconds), tokens/s per user (the mean over
   prompts of a prompt's tokens over its seconds in a slot, admission to end), τ, verify tokens per
   row and round, occupancy, the mean time to first token (from the start of the run, queueing
-  included), the cost model's tokens/s (busy rows × τ × the round table's rate at their verify
-  tokens; measured / model in the table) and the compilation's seconds apart (the warm-up's and
-  any in the measured runs, which the queue's clock leaves out).
+  included), the wall split into chunks, refills (prefills) and the host's work between them,
+  the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
+  verify tokens, plus the measured refills; measured / model in the table) and the compilation's
+  seconds apart (the warm-up's and any in the measured runs, which the queue's clock leaves out).
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
@@ -314,7 +315,8 @@ def queue_stats(out) -> dict:
   """The figures of a `QueueResult` the studies report."""
   per_user = [r.tokens_per_second for r in out.results]
   return {"tokens": int(out.lengths.sum()), "seconds": out.wall_seconds,
-          "compile_s": out.compile_seconds,
+          "compile_s": out.compile_seconds, "refill_s": out.refill_seconds,
+          "chunk_s": out.chunk_seconds, "host_s": out.host_seconds,
           "unfinished": sum(r == "unfinished" for r in out.finish_reason),
           "tokens_per_s": out.tokens_per_second, "occupancy": out.occupancy,
           "per_user_tokens_per_s": float(np.mean(per_user)), "tau": out.tau,
@@ -438,14 +440,16 @@ def memory_study(work: Workload, args) -> dict:
 
 
 def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
-  """The cost model's tokens/s for a run: the mean busy rows (occupancy × c) times τ times the
-  round table's rate at the tokens they verify (busy rows × verify tokens per row and round);
+  """The cost model's tokens/s for a run: its tokens over the rounds' modelled seconds plus its
+  measured refills (prefills). The rounds run at the round table's rate at the tokens they verify
+  (busy rows = occupancy × c, times verify tokens per row) and make busy rows × τ tokens each.
   None without a table (plain decoding)."""
   if table is None:
     return None
   rows = max(r["occupancy"] * concurrency, 1e-9)
   tokens = int(np.clip(round(rows * r["verify_tokens"]), 1, len(table) - 1))
-  return rows * r["tau"] * float(table[tokens])
+  rounds_s = r["tokens"] / (rows * r["tau"] * float(table[tokens]))
+  return r["tokens"] / (rounds_s + r.get("refill_s", 0.0))
 
 
 class SharedSchedules:
@@ -578,6 +582,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
             f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, verify "
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
             f"{'-' if model is None else f'{model:.0f}'}, {r['unfinished']} unfinished, "
+            f"wall {r['seconds']:.2f} s = chunks {r['chunk_s']:.2f} + refills "
+            f"{r['refill_s']:.2f} + host {r['host_s']:.2f}, "
             f"warm-up {first_s:.1f} s, compiling in all {r['compile_s']:.1f} s "
             f"({', '.join(f'{n} {k}: {t:.0f} s' for n, (k, t) in r['compiled'].items())}) "
             f"[{time.perf_counter() - began:.0f} s]", flush=True)

@@ -70,6 +70,11 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   assert 0 < result.queued_rounds < result.rounds and 1 <= result.saturated_rows <= 2
   for r in result.results:
     assert r.ttft_seconds >= 0 and r.seconds >= 0 and r.tokens.size == result.lengths[r.index]
+  # The wall splits into refills, chunks and the host's work between them.
+  assert result.refill_seconds > 0 and result.chunk_seconds > 0
+  assert result.refill_seconds + result.chunk_seconds <= result.wall_seconds + 1e-9
+  assert result.host_seconds == pytest.approx(
+      result.wall_seconds - result.refill_seconds - result.chunk_seconds)
 
 
 @pytest.mark.parametrize("spec", [True, False])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -306,8 +307,10 @@ class Engine:
           program, seconds = compile_cache.compiled(_refill_program, args, refill_statics,
                                                     donate=(2, 3))
           run.compile(seconds)
+          began = time.perf_counter()
           state, inputs = program(*args)
           jax.block_until_ready(state["anchor"])
+          run.refill_seconds += time.perf_counter() - began
           run.admitted(free, taken, resume[:taken.size])
           for i in taken:
             saved.pop(int(i), None)
@@ -320,8 +323,10 @@ class Engine:
         args = (*models, state, inputs, key, np.int32(need), owner < 0)
         program, seconds = compile_cache.compiled(_chunk_program, args, chunk_statics, donate=(2,))
         run.compile(seconds)
+        began = time.perf_counter()
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
+        run.chunk_seconds += time.perf_counter() - began
         run.ran(int(iterations), int(busy), None if pages is None else pages.in_use, queued)
         if self.trace:
           run.traced(jax.device_get(state["trace"]), int(iterations))

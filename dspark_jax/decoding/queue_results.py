@@ -88,6 +88,9 @@ class QueueResult:
     rounds: loop iterations of all chunks. slot_rounds: S × rounds; busy_slot_rounds: the
       (slot, iteration) pairs whose slot held an unfinished prompt.
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
+    refill_seconds: of the wall, the refills (prefills of admitted prompts, from launch until
+      done); chunk_seconds: the chunks (from launch until the host holds their results). The rest
+      of the wall is the host's own work between them (`host_seconds`).
     path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: positions per slot's
       cache (with paged caches: the capacity before rounding to whole pages).
     kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
@@ -121,6 +124,13 @@ class QueueResult:
   queued_rounds: int = 0
   queued_busy_slot_rounds: int = 0
   trace: Any = None
+  refill_seconds: float = 0.0
+  chunk_seconds: float = 0.0
+
+  @property
+  def host_seconds(self) -> float:
+    """The wall less the refills and chunks: the host's work between programs."""
+    return max(self.wall_seconds - self.refill_seconds - self.chunk_seconds, 0.0)
 
   @property
   def occupancy(self) -> float:
@@ -197,6 +207,7 @@ class _Run:
     self.results: list[PromptResult | None] = [None] * count
     self.start = time.perf_counter()
     self.compile_seconds = 0.0
+    self.refill_seconds = self.chunk_seconds = 0.0
     self.admit_at = np.zeros(count)
     self.preempted = np.zeros(count, np.int64)
     self.first_at = np.zeros(count)
@@ -279,5 +290,6 @@ class _Run:
         pages_mean=self.page_rounds / self.rounds if self.rounds else 0.0,
         preemptions=0 if pages is None else pages.preemptions,
         queued_rounds=self.queued_rounds, queued_busy_slot_rounds=self.queued_busy,
+        refill_seconds=self.refill_seconds, chunk_seconds=self.chunk_seconds,
         trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
                                  for k in self.traces[0]}) if self.traces else None)
