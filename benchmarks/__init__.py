@@ -17,6 +17,11 @@
   against its own floor, GPU busy % and the gaps between kernels.
 * `benchmarks.bench_compact`: the sampling block with stored corrected logits against
   ``store_logits=False`` (`CompactLogits`), alone and followed by verification.
+* `benchmarks.bench_gemm`: the Qwen3-4B projections (36 distinct weights) and LM head at 1…512
+  rows, XLA (default, cuBLAS-only, no fusion autotuner) against JAX's Hopper Pallas matmul, in µs
+  and × the weight-read or compute floor.
+* `benchmarks.bench_train` / `benchmarks.bench_train_deepspec`: one drafter training step, ours and
+  DeepSpec's own PyTorch step at the same shapes, in tokens/s and MFU.
 
 Each module has ``main(argv=None)`` and runs from the repository root as
 ``python -m benchmarks.<name> [--small] [--backend auto|xla|triton|hopper] [--json PATH]``;
