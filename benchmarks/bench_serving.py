@@ -177,6 +177,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--budget-s", type=float, default=None,
                       help="throughput study: start no new cell past this many seconds (the "
                            "skipped cells are listed; default: no limit)")
+  parser.add_argument("--prefill-chunk", type=int, default=None,
+                      help="throughput study: the engines' prompt positions per prefill pass "
+                           "(`dj.Engine.prefill_chunk`; default its own, 512). A refill whose "
+                           "longest prompt is longer pads to the slot's capacity, so a smaller "
+                           "value leaves fewer refill programs to compile (one per row count)")
   parser.add_argument("--drain", action=argparse.BooleanOptionalAction, default=False,
                       help="throughput study: run every prompt to its end (--drain), or end each "
                            "run when the slots stop being saturated (default: the steady state; "
@@ -231,6 +236,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       parser.error(f"--gamma: {args.gamma}, but --synthetic gives {len(args.synthetic)} rates")
     args.gamma = len(args.synthetic)
   args.gamma = 7 if args.gamma is None else args.gamma
+  if args.prefill_chunk is not None and args.prefill_chunk < 1:
+    parser.error(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
   for flag in ("prompts", "prompt_len", "slots", "per_slot", "min_prompts", "gamma",
                "rounds_per_call", "memory_rows", "memory_prompts", "memory_factor", "page_size"):
     if getattr(args, flag) < 1:
@@ -514,6 +521,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
   low, high = args.lengths
   gamma = work.draft.config.gamma
   results, skipped = [], []
+  prefill = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
   began = time.perf_counter()
   for c in args.concurrency:
     if args.budget_s and time.perf_counter() - began > args.budget_s:
@@ -549,7 +557,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
       if name == "plain":
         engines[name] = dj.Engine(work.target, None, max_batch_size=c,
                                   max_seq_len=work.max_seq_len, spec=False,
-                                  refill_at=refill_at(args, c),
+                                  refill_at=refill_at(args, c), **prefill,
                                   rounds_per_call=args.rounds_per_call, kv=args.kv,
                                   headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines[name]
@@ -558,7 +566,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
         if "shared" not in engines:
           engines["shared"] = dj.Engine(work.target, work.draft, max_batch_size=c,
                                         max_seq_len=work.max_seq_len, schedule=shared_schedule,
-                                        refill_at=refill_at(args, c),
+                                        refill_at=refill_at(args, c), **prefill,
                                         rounds_per_call=args.rounds_per_call, kv=args.kv,
                                         headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines["shared"]
