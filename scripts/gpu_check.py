@@ -66,6 +66,7 @@ TESTS = (
     "tests/test_ragged_attention.py",
     "tests/test_packing.py",
     "tests/test_paged.py",
+    "tests/test_prefill.py",
 )
 """The GPU-relevant test files (edit here)."""
 TEST_MARKS = "kernel or gpu"
