@@ -33,9 +33,9 @@ the chunk's own keys (`cudnn_self_part`, causal), joined through cuDNN's log-sum
 mask, so one call cannot take the chunk whole. `choose_causal` says where either runs (a GPU,
 bf16/fp16, T a power of two of at least 64; the layer adds: a contiguous cache and consecutive
 positions, `models.layers.CacheUpTo`); elsewhere the prefill attends over its cache through
-`attend_limited` (the ragged kernel's query tiles, or `attend_flash`). Whether the two parts beat
-the ragged kernel over the cache is for `benchmarks/bench_flash.py --chunk` to measure
-(``cudnn_parts``).
+`attend_limited` (the ragged kernel's query tiles, or `attend_flash`).
+`benchmarks/bench_flash.py --chunk` times the two parts (``cudnn_parts``) against the ragged
+kernel over the cache.
 
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their

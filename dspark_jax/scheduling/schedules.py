@@ -252,6 +252,11 @@ def _admission_order(a: jax.Array, candidate: jax.Array) -> tuple[jax.Array, jax
   return sorted_a, rank.reshape(gamma, batch).T, count
 
 
+def _expected_accepts(sorted_a: jax.Array, n_active: jax.Array) -> jax.Array:
+  """τ_k = A + the first k survivals of the admission order, for k = 0..B·γ (float32 [B·γ + 1])."""
+  return jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))
+
+
 def _throughput_path(sorted_a: jax.Array, count: jax.Array, n_active: jax.Array, sps: jax.Array,
                      limit: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Θ_k = τ_k·sps[A + k] for k = 0..B·γ along the admission order, and which k may be made.
@@ -261,7 +266,7 @@ def _throughput_path(sorted_a: jax.Array, count: jax.Array, n_active: jax.Array,
     k ≥ 1 when there are k candidates and A + k < `limit` (the table's length).
   """
   steps = jnp.arange(sorted_a.shape[0] + 1, dtype=jnp.int32)
-  tau = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))
+  tau = _expected_accepts(sorted_a, n_active)
   tokens = n_active + steps
   theta = tau * sps[jnp.clip(tokens, 0, sps.shape[0] - 1)]
   possible = (steps <= count) & (tokens < limit)
@@ -347,7 +352,7 @@ def _prefix_lens(c: jax.Array, active: jax.Array, table: jax.Array, limit: jax.A
   largest = jnp.concatenate([jnp.zeros((batch * gamma, 1), largest.dtype), largest], axis=1)
   others = jnp.clip(plateau_end[tokens] - tokens, 0, batch)
   fill = jnp.take_along_axis(largest, others[:, None], axis=1)[:, 0]
-  tau = jnp.cumsum(jnp.concatenate([n_active.astype(jnp.float32)[None], sorted_a]))[1:]
+  tau = _expected_accepts(sorted_a, n_active)[1:]
   floor = (tau + fill) * table[tokens]
   better = possible[1:] & (~entry | (floor > jax.lax.cummax(theta)[:-1]))
   made = jnp.sum(jnp.cumprod(better.astype(jnp.int32)), dtype=jnp.int32)
