@@ -28,7 +28,11 @@ What it writes (float32 everywhere, so that the tests compare to float32 roundin
   ``Qwen3DSparkModel.from_pretrained``; and transformers' greedy ``generate`` of each target.
 * ``manifest.json``: the DeepSpec commit, library versions, the cases and the smallest top-1/top-2
   margin of every recorded greedy choice (the tests compare tokens exactly only because no choice
-  is within float32 rounding of a tie).
+  is within float32 rounding of a tie); and ``recipe``, DeepSpec's Qwen3-4B DSpark configuration
+  (``config/dspark/dspark_qwen3_4b.py``: model, train and data settings) with the defaults of the
+  optimizer and learning-rate schedule it builds (torch's ``AdamW``, DeepSpec's
+  ``CosineAnnealingWarmupLR``), which ``dspark-jax train``'s defaults are tested against.
+  ``--recipe-only`` refreshes that entry alone.
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ def export_deepspec(source: str, workdir: str) -> tuple[str, str]:
   git = ["git", f"--git-dir={source}"]
   commit = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
-  archive = subprocess.run(git + ["archive", "--format=tar", "HEAD", "deepspec"], check=True,
-                           capture_output=True).stdout
+  archive = subprocess.run(git + ["archive", "--format=tar", "HEAD", "deepspec", "config"],
+                           check=True, capture_output=True).stdout
   subprocess.run(["tar", "-x", "-C", workdir], input=archive, check=True)
   return workdir, commit
 
@@ -205,11 +209,47 @@ def run_evaluator(torch, ds, target, draft_dir: str, prompt, new_tokens: int) ->
           "accepted": np.asarray(out.accepted_draft_lengths, np.int64)}
 
 
+RECIPE_CONFIG = "config/dspark/dspark_qwen3_4b.py"
+
+
+def read_recipe(path: str, torch) -> dict:
+  """DeepSpec's Qwen3-4B DSpark recipe from the exported checkout at `path` (module docstring).
+  The configuration file is read, not imported (importing it loads DeepSpec's trainer and its
+  logging dependencies): its ``model``, ``train`` and ``data`` ``dict(...)`` calls, literal
+  arguments only."""
+  import ast
+  import inspect
+
+  from deepspec.utils.optim import CosineAnnealingWarmupLR
+
+  with open(os.path.join(path, RECIPE_CONFIG)) as f:
+    tree = ast.parse(f.read())
+  sections = {}
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
+        and node.targets[0].id in ("model", "train", "data")):
+      values = {}
+      for keyword in node.value.keywords:
+        try:
+          values[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+          pass                        # a class or expression (trainer_cls): not a setting
+      sections[node.targets[0].id] = values
+  adamw = inspect.signature(torch.optim.AdamW).parameters
+  schedule = inspect.signature(CosineAnnealingWarmupLR).parameters
+  return {"config": RECIPE_CONFIG, **sections,
+          "adamw": {"betas": list(adamw["betas"].default), "eps": adamw["eps"].default},
+          "schedule": {"eta_min": schedule["eta_min"].default}}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--deepspec", required=True,
                       help="a DeepSpec checkout or bare git directory (deepseek-ai/DeepSpec)")
   parser.add_argument("--out", default=OUT, help=f"output directory (default {OUT})")
+  parser.add_argument("--recipe-only", action="store_true",
+                      help="refresh manifest.json's recipe alone (the DeepSpec commit must match)")
   args = parser.parse_args(argv)
 
   import torch
@@ -220,6 +260,19 @@ def main(argv=None) -> int:
   try:
     path, commit = export_deepspec(args.deepspec, workdir)
     sys.path.insert(0, path)
+    if args.recipe_only:
+      name = os.path.join(os.path.abspath(args.out), "manifest.json")
+      with open(name) as f:
+        manifest = json.load(f)
+      if manifest["deepspec_commit"] != commit:
+        raise SystemExit(f"--recipe-only: the goldens are of DeepSpec {manifest['deepspec_commit']}"
+                         f", this checkout is {commit}; regenerate them all")
+      manifest["recipe"] = read_recipe(path, torch)
+      with open(name, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+      print(f"wrote the recipe of DeepSpec {commit} into {name}")
+      return 0
     from deepspec.eval.base_evaluator import generate_decoding_sample
     from deepspec.eval.dspark.evaluator import Qwen3DSparkEvaluator
     from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel, build_draft_config
@@ -302,6 +355,7 @@ def main(argv=None) -> int:
                    "transformers 5.10.2, which DeepSpec pins)"] if patched else []),
         "new_tokens": NEW_TOKENS,
         "mask_token_id": MASK_ID, "target": TARGET, "cases": cases, "min_margins": margins,
+        "recipe": read_recipe(path, torch),
         "generator": "scripts/make_deepspec_goldens.py",
     }
     with open(os.path.join(out, "manifest.json"), "w") as f:

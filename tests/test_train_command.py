@@ -374,3 +374,61 @@ def test_a_tokenizer_without_a_chat_template_is_refused(chain_dir, tmp_path, cap
       ["train", "--target", "nowhere", "--data", data, "--out", "x"], capsys)
   assert "--batch-size" in _fails(["train", "--target", target, "--data", data, "--out", "x",
                                    "--batch-size", "3", "--accumulate", "2"], capsys)
+
+
+def test_the_defaults_are_deepspecs_recipe():
+  # tests/golden/deepspec/manifest.json's "recipe": DeepSpec's own Qwen3-4B DSpark configuration
+  # and the defaults of the optimizer and schedule it builds, read from a fetched snapshot by
+  # scripts/make_deepspec_goldens.py. Our command's defaults must be the same settings.
+  import inspect
+
+  import optax
+
+  from dspark_jax.train import drafter
+  golden = os.path.join(os.path.dirname(__file__), "golden", "deepspec", "manifest.json")
+  with open(golden) as f:
+    recipe = json.load(f)["recipe"]
+  model, train, data = recipe["model"], recipe["train"], recipe["data"]
+  options = drafter.TrainOptions()
+  assert options.batch_size == train["global_batch_size"]
+  assert options.batch_size // options.micro_batches == train["local_batch_size"]
+  assert options.seq_len == data["max_length"] and options.anchors == model["num_anchors"]
+  assert options.learning_rate == train["lr"]
+  assert options.warmup_fraction == train["warmup_ratio"]
+  assert options.weight_decay == train["weight_decay"]
+  assert options.epochs == train["num_train_epochs"] and options.steps == train["max_train_steps"]
+  assert options.adam_b2 == recipe["adamw"]["betas"][1]
+  assert options.final_lr_fraction * options.learning_rate == recipe["schedule"]["eta_min"]
+  optimizer = inspect.signature(training.make_optimizer).parameters
+  assert optimizer["clip_norm"].default == train["max_grad_norm"]
+  adamw = inspect.signature(optax.adamw).parameters
+  assert [0.9, options.adam_b2] == recipe["adamw"]["betas"]       # make_optimizer's b1 is 0.9
+  assert adamw["eps"].default == recipe["adamw"]["eps"]
+  assert training.LOSS_WEIGHTS["ce"] == model["ce_loss_alpha"]
+  assert training.LOSS_WEIGHTS["tv"] == model["l1_loss_alpha"]
+  assert training.LOSS_WEIGHTS["bce"] == model["confidence_head_alpha"]
+  assert training.POSITION_DECAY == model["loss_decay_gamma"]
+  config = drafter.default_draft_config(tm.qwen3_4b_shape(), mask_token_id=model["mask_token_id"])
+  assert config.gamma == model["block_size"] and config.num_layers == model["num_draft_layers"]
+  assert list(config.target_layer_ids) == model["target_layer_ids"]
+  assert config.rank == model["markov_rank"] and config.head_kind == model["markov_head_type"]
+  assert config.confidence_with_markov == model["confidence_head_with_markov"]
+  assert config.num_anchors == model["num_anchors"]
+  # DeepSpec's step count: epochs x (rows // global batch); the learning rate ends at eta_min.
+  assert options.total_steps(5000) == 10 * (5000 // 512)
+  assert drafter.TrainOptions(steps=7).total_steps(5000) == 7
+  assert options.total_steps(3) == 10            # fewer rows than a batch: one step per epoch
+  schedule = training.make_schedule(6e-4, 100, end_fraction=options.final_lr_fraction)
+  assert float(schedule(100)) == pytest.approx(recipe["schedule"]["eta_min"], abs=1e-12)
+  assert float(schedule(4)) == pytest.approx(6e-4)
+
+
+@pytest.mark.parametrize("changes, name", [
+    (dict(epochs=0), "epochs"), (dict(steps=0), "steps"), (dict(accumulate=0), "accumulate"),
+    (dict(weight_decay=-1.0), "weight_decay"), (dict(adam_b2=1.0), "adam_b2"),
+    (dict(final_lr_fraction=1.5), "final_lr_fraction"), (dict(learning_rate=0.0), "learning_rate"),
+    (dict(batch_size=6, dp=4), "batch_size")])
+def test_bad_training_options_are_named(changes, name):
+  from dspark_jax.train import drafter
+  with pytest.raises(ValueError, match=f"^{name}:"):
+    drafter.TrainOptions(**changes)

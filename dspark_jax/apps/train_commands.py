@@ -3,7 +3,8 @@
 
 * ``dspark-jax train --target DIR --data FILE.jsonl --out DIR [--layers N --gamma G --rank R
   --head vanilla|gated|rnn|none --no-confidence --target-layers 1,9,17 --mask-token-id ID
-  --steps N --batch-size B --seq-len L --anchors A --lr LR --accumulate K --dp N --tp N --seed S
+  --steps N --epochs E --batch-size B --seq-len L --anchors A --lr LR --final-lr F
+  --weight-decay W --accumulate K --dp N --tp N --seed S
   --thinking on|off --heldout N --eval-every N --eval-tokens N --checkpoint-every N
   --format deepspec|speculators --dtype D --max-seconds S]``: `dspark_jax.train.drafter.train_drafter`;
   prints a one-line summary. Rerunning with the same ``--out`` resumes.
@@ -57,13 +58,23 @@ def add_parsers(sub) -> None:
                      help="target layers read, e.g. 1,9,17,25,33 (default: spread like Qwen3-4B's)")
   model.add_argument("--mask-token-id", type=flags.nonnegative, default=None,
                      help="the block filler id (default: the first id past the tokenizer's)")
-  run = train.add_argument_group("training")
-  run.add_argument("--steps", type=flags.positive, default=2000)
-  run.add_argument("--batch-size", type=flags.positive, default=16, help="sequences per step")
-  run.add_argument("--seq-len", type=flags.positive, default=2048, help="tokens per packed row")
-  run.add_argument("--anchors", type=flags.positive, default=64, help="blocks per sequence")
+  run = train.add_argument_group("training (defaults: DeepSpec's recipe)")
+  run.add_argument("--steps", type=flags.positive, default=None,
+                   help="optimizer steps (default: --epochs over the packed rows)")
+  run.add_argument("--epochs", type=flags.positive, default=10,
+                   help="passes over the data (default 10)")
+  run.add_argument("--batch-size", type=flags.positive, default=512,
+                   help="sequences per step (default 512)")
+  run.add_argument("--seq-len", type=flags.positive, default=4096,
+                   help="tokens per packed row (default 4096)")
+  run.add_argument("--anchors", type=flags.positive, default=512,
+                   help="blocks per sequence (default 512)")
   run.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
-  run.add_argument("--accumulate", type=flags.positive, default=1, help="micro-batches per step")
+  run.add_argument("--final-lr", type=float, default=0.0,
+                   help="the last step's rate as a fraction of the peak (default 0)")
+  run.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (default 0)")
+  run.add_argument("--accumulate", type=flags.positive, default=None,
+                   help="micro-batches per step (default: one sequence per device at a time)")
   run.add_argument("--dp", type=flags.positive, default=1, help="data-parallel devices")
   run.add_argument("--tp", type=flags.positive, default=1,
                    help="devices the target is split over (tensor parallel), for a target too "
@@ -115,15 +126,17 @@ def train(args) -> int:
   _check_paths(args, "train", dirs=("--target", "--tokenizer"), files=("--data",))
   try:
     options = drafter.TrainOptions(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, anchors=args.anchors,
-        learning_rate=args.lr, accumulate=args.accumulate, dp=args.dp, tp=args.tp,
+        steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, seq_len=args.seq_len,
+        anchors=args.anchors, learning_rate=args.lr, final_lr_fraction=args.final_lr,
+        weight_decay=args.weight_decay, accumulate=args.accumulate, dp=args.dp, tp=args.tp,
         seed=args.seed,
         thinking=args.thinking, heldout=args.heldout, eval_every=args.eval_every,
         eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
         log_every=args.log_every, format=args.format, max_seconds=args.max_seconds)
   except ValueError as error:
     name = str(error).split(":")[0].replace("_", "-")
-    flags.fail("train", f"--{'lr' if name == 'learning-rate' else name}", str(error))
+    flag = {"learning-rate": "lr", "final-lr-fraction": "final-lr"}.get(name, name)
+    flags.fail("train", f"--{flag}", str(error))
   choices = dict(num_layers=args.layers, gamma=args.gamma, rank=args.rank, head_kind=args.head,
                  confidence=not args.no_confidence, target_layer_ids=args.target_layers,
                  mask_token_id=args.mask_token_id)

@@ -12,10 +12,11 @@ This module owns the product around the losses and the `Trainer` (docs/training.
   packed to `TrainOptions.seq_len`. The last `TrainOptions.heldout` conversations are kept out of
   training: their prompts give the held-out τ (greedy speculative decoding of
   `TrainOptions.eval_tokens` tokens) every `TrainOptions.eval_every` steps.
-* **Training.** SPEC §8's recipe (`trainer.dspark_loss` with the response mask, AdamW at 6e-4
-  with 4 % warm-up and cosine decay, global-norm clipping at 1): `TrainOptions.batch_size`
-  sequences of `TrainOptions.anchors` blocks per step, split into `TrainOptions.accumulate`
-  micro-batches, over `TrainOptions.dp` data-parallel devices; float32 parameters and optimizer
+* **Training.** SPEC §8's recipe with DeepSpec's settings by default (`TrainOptions`:
+  `trainer.dspark_loss` with the response mask; AdamW, b2 0.999, no weight decay, at 6e-4 with
+  4 % warm-up and cosine decay to zero; global-norm clipping at 1; 10 epochs):
+  `TrainOptions.batch_size` sequences of `TrainOptions.anchors` blocks per step, split into
+  `TrainOptions.micro_batches` micro-batches, over `TrainOptions.dp` data-parallel devices; float32 parameters and optimizer
   state over weights stored in the draft's dtype. Anchors and rows are a pure function of
   (seed, step), so a run resumed from its checkpoint equals an uninterrupted one.
 * **Output.** ``OUT/`` holds the drafter in DeepSpec's format (or speculators', `format`), which
@@ -102,13 +103,22 @@ def default_draft_config(target: tm.TargetConfig, *, mask_token_id: int, num_lay
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-  """How `train_drafter` trains (defaults: SPEC §8 and DeepSpec's).
+  """How `train_drafter` trains. The defaults are DeepSpec's recipe (its Qwen3 configurations,
+  SPEC §8): 10 epochs of rows of 4096 tokens, 512 rows per step taken one per device at a time,
+  512 anchor blocks per row, AdamW (b2 0.999, no weight decay) at a peak of 6e-4 with 4 % warm-up
+  and cosine decay to zero, gradients clipped to global norm 1.
 
   Attributes:
-    steps: optimizer steps. batch_size: sequences per step (a multiple of `accumulate` * `dp`).
-    seq_len: tokens per packed row. anchors: blocks per sequence.
+    steps: optimizer steps; None: `epochs` passes over the packed rows, each of
+      ``rows // batch_size`` steps (at least one), as DeepSpec counts them.
+    epochs: passes over the training rows when `steps` is None.
+    batch_size: sequences per step (a multiple of `accumulate` * `dp`). seq_len: tokens per packed
+      row. anchors: blocks per sequence.
     learning_rate, warmup_fraction: the peak rate and the warm-up's share of the steps.
-    accumulate: micro-batches per step. dp: data-parallel devices (a mesh axis "dp").
+    final_lr_fraction: the rate at the last step, as a fraction of the peak.
+    weight_decay, adam_b2: AdamW's decoupled weight decay and second-moment decay.
+    accumulate: micro-batches per step; None: ``batch_size // dp`` (one sequence per device per
+      micro-batch, DeepSpec's local batch). dp: data-parallel devices (a mesh axis "dp").
     tp: devices the frozen target is split over (mesh axis "tp", `dspark_jax.shard`'s layout: its
       weights, heads and vocabulary), for a target too large for one device; the mesh has
       ``dp * tp`` devices and the draft is replicated over it.
@@ -124,13 +134,17 @@ class TrainOptions:
     max_seconds: a wall-clock budget (the state is saved when it runs out; rerun to resume).
   """
 
-  steps: int = 2000
-  batch_size: int = 16
-  seq_len: int = 2048
-  anchors: int = 64
+  steps: int | None = None
+  epochs: int = 10
+  batch_size: int = 512
+  seq_len: int = 4096
+  anchors: int = 512
   learning_rate: float = 6e-4
   warmup_fraction: float = 0.04
-  accumulate: int = 1
+  final_lr_fraction: float = 0.0
+  weight_decay: float = 0.0
+  adam_b2: float = 0.999
+  accumulate: int | None = None
   dp: int = 1
   tp: int = 1
   seed: int = 0
@@ -144,22 +158,43 @@ class TrainOptions:
   max_seconds: float | None = None
 
   def __post_init__(self):
-    for name in ("steps", "batch_size", "seq_len", "anchors", "accumulate", "dp", "tp",
-                 "eval_tokens", "checkpoint_every", "log_every"):
+    for name in ("epochs", "batch_size", "seq_len", "anchors", "dp", "tp", "eval_tokens",
+                 "checkpoint_every", "log_every") + (
+                     ("steps",) if self.steps is not None else ()) + (
+                     ("accumulate",) if self.accumulate is not None else ()):
       validation.check_positive_int(name, getattr(self, name))
     for name in ("heldout", "eval_every", "seed"):
       validation.check_nonnegative_int(name, getattr(self, name))
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate: expected > 0, got {self.learning_rate!r}")
-    if not 0 <= self.warmup_fraction < 1:
-      raise ValueError(f"warmup_fraction: expected a number in [0, 1), got "
-                       f"{self.warmup_fraction!r}")
-    if self.batch_size % (self.accumulate * self.dp):
+    for name, low, high, closed in (("learning_rate", 0, np.inf, False),
+                                    ("warmup_fraction", 0, 1, True),
+                                    ("final_lr_fraction", 0, 1, True),
+                                    ("weight_decay", 0, np.inf, True),
+                                    ("adam_b2", 0, 1, True)):
+      value = getattr(self, name)
+      ok = (isinstance(value, (int, float, np.floating, np.integer))
+            and not isinstance(value, bool) and (low <= value if closed else low < value)
+            and value < high)
+      if not ok:
+        interval = f"[{low}, {high})" if closed else f"({low}, {high})"
+        raise ValueError(f"{name}: expected a number in {interval}, got {value!r}")
+    if self.batch_size % (self.micro_batches * self.dp):
       raise ValueError(f"batch_size: {self.batch_size} is not a multiple of accumulate * dp = "
-                       f"{self.accumulate} * {self.dp}")
+                       f"{self.micro_batches} * {self.dp}")
     if self.format not in pretrained.DRAFT_FORMATS:
       raise ValueError(f"format: expected one of {pretrained.DRAFT_FORMATS}, got "
                        f"{self.format!r}")
+
+  @property
+  def micro_batches(self) -> int:
+    """Micro-batches per step: `accumulate`, or one sequence per device at a time."""
+    return self.accumulate if self.accumulate is not None else max(1, self.batch_size // self.dp)
+
+  def total_steps(self, rows: int) -> int:
+    """`steps`, or `epochs` passes of ``rows // batch_size`` steps (at least one) over `rows`
+    training rows."""
+    if self.steps is not None:
+      return self.steps
+    return self.epochs * max(1, rows // self.batch_size)
 
   @property
   def template_kwargs(self) -> dict:
@@ -265,6 +300,7 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
   config = dataclasses.replace(config, dtype=target.config.dtype if dtype is None else config.dtype)
   draft = dm.DSparkDraft(config, target.config, rngs=nnx.Rngs(options.seed))
 
+  steps = options.total_steps(len(packed.tokens))
   state_dir = os.path.join(out_dir, TRAINING_DIR)
   os.makedirs(state_dir, exist_ok=True)
   with open(os.path.join(state_dir, "options.json"), "w") as f:
@@ -272,7 +308,8 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
         k: v for k, v in dataclasses.asdict(config).items() if k not in ("layer", "dtype",
                                                                        "param_dtype")},
         "data": os.path.abspath(data), "target": os.path.abspath(target_dir),
-        "rows": int(len(packed.tokens)), "response_tokens": packed.response_tokens}, f, indent=1)
+        "rows": int(len(packed.tokens)), "response_tokens": packed.response_tokens,
+        "steps": steps, "micro_batches": options.micro_batches}, f, indent=1)
 
   prompts = [tokenizer.encode_chat(c.prompt(), add_generation_prompt=True,
                                    **options.template_kwargs) for c in heldout_part]
@@ -288,21 +325,21 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
       return heldout_tau(*pair, prompts, max_new_tokens=options.eval_tokens,
                          stop_token_ids=stops)
 
-  schedule = training.make_schedule(options.learning_rate, options.steps,
-                                    warmup_fraction=options.warmup_fraction)
+  rates = dict(warmup_fraction=options.warmup_fraction, end_fraction=options.final_lr_fraction)
+  schedule = training.make_schedule(options.learning_rate, steps, **rates)
   trainer = training.Trainer(
       draft, lambda m, t, b: training.dspark_loss(m, t, *b),
-      training.make_optimizer(options.learning_rate, options.steps,
-                              warmup_fraction=options.warmup_fraction),
+      training.make_optimizer(options.learning_rate, steps, weight_decay=options.weight_decay,
+                              b2=options.adam_b2, **rates),
       frozen=target, checkpoint_path=os.path.join(state_dir, STATE_FILE),
       checkpoint_every=options.checkpoint_every, max_seconds=options.max_seconds,
-      master_dtype=jnp.float32, accumulate=options.accumulate, mesh=mesh, schedule=schedule,
+      master_dtype=jnp.float32, accumulate=options.micro_batches, mesh=mesh, schedule=schedule,
       tokens_per_step=options.batch_size * options.seq_len, evaluate=evaluate,
-      evaluate_every=options.eval_every or options.steps)
+      evaluate_every=options.eval_every or steps)
   batches = training.masked_draft_batches(packed.tokens, packed.mask, options.batch_size,
                                           options.anchors, config.gamma, seed=options.seed)
   start = time.perf_counter()
-  trainer.train(batches, options.steps, log_every=options.log_every, progress=progress)
+  trainer.train(batches, steps, log_every=options.log_every, progress=progress)
   seconds = time.perf_counter() - start
 
   draft = trainer.model

@@ -137,21 +137,26 @@ def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array
   return loss, {k: jnp.sum(v * counted) / total for k, v in terms.items()}
 
 
-def make_schedule(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04):
+def make_schedule(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
+                  end_fraction: float = 0.1):
   """``step -> learning rate``: linear warm-up over `warmup_fraction` of the steps (at least one),
-  then cosine decay to 10 % at `total_steps`."""
+  then cosine decay to ``end_fraction * learning_rate`` at `total_steps` (DeepSpec's: 0)."""
   warmup = max(1, int(warmup_fraction * total_steps))
   return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
                                             max(total_steps, warmup + 1),
-                                            end_value=0.1 * learning_rate)
+                                            end_value=end_fraction * learning_rate)
 
 
 def make_optimizer(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
-                   weight_decay: float = 0.01, clip_norm: float = 1.0) -> optax.GradientTransformation:
-  """AdamW (b2 0.95) on `make_schedule`'s rates, clipped to global norm `clip_norm`."""
-  schedule = make_schedule(learning_rate, total_steps, warmup_fraction=warmup_fraction)
+                   weight_decay: float = 0.01, clip_norm: float = 1.0, b2: float = 0.95,
+                   end_fraction: float = 0.1) -> optax.GradientTransformation:
+  """AdamW (b1 0.9, `b2`, decoupled `weight_decay`) on `make_schedule`'s rates, clipped to global
+  norm `clip_norm`. DeepSpec's recipe is ``b2=0.999, weight_decay=0.0, end_fraction=0.0``
+  (`dspark_jax.train.drafter.TrainOptions`' defaults)."""
+  schedule = make_schedule(learning_rate, total_steps, warmup_fraction=warmup_fraction,
+                           end_fraction=end_fraction)
   return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+                     optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
 
 
 _STEP_PROGRAMS: dict = {}
