@@ -88,8 +88,9 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
   def loss(model, frozen, data):
     return training.dspark_loss(model, frozen, *data)
 
-  trainer = training.Trainer(draft, loss, training.make_optimizer(6e-4, 1000), frozen=target,
-                             master_dtype=jnp.float32)
+  optimizer = training.make_optimizer(6e-4, 1000, weight_decay=0.0, b2=0.999,   # DeepSpec's
+                                      end_fraction=0.0)
+  trainer = training.Trainer(draft, loss, optimizer, frozen=target, master_dtype=jnp.float32)
   gamma = draft.config.gamma
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, target.config.vocab_size - 1, (batch, length))
