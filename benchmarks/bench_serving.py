@@ -182,6 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "(`dj.Engine.prefill_chunk`; default its own, 512). A refill whose "
                            "longest prompt is longer pads to the slot's capacity, so a smaller "
                            "value leaves fewer refill programs to compile (one per row count)")
+  parser.add_argument("--compilation-cache", default=None, metavar="DIR",
+                      help="JAX's persistent compilation cache directory: programs compiled by "
+                           "an earlier run with the same shapes load from it (docs/serving.md)")
   parser.add_argument("--drain", action=argparse.BooleanOptionalAction, default=False,
                       help="throughput study: run every prompt to its end (--drain), or end each "
                            "run when the slots stop being saturated (default: the steady state; "
@@ -605,6 +608,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   low, high = args.lengths
   meta, _ = harness.start_run(args, pair="shipped" if args.shipped else "random",
                               synthetic=args.synthetic,
@@ -612,7 +617,8 @@ def main(argv=None) -> int:
                               length_law="log-uniform", seed=args.seed, slots=args.slots,
                               concurrency=args.concurrency, schedules=args.schedules,
                               temperature=args.temperature, per_slot=args.per_slot,
-                              refill_at=args.refill_at, rounds_per_call=args.rounds_per_call)
+                              refill_at=args.refill_at, rounds_per_call=args.rounds_per_call,
+                              compilation_cache=args.compilation_cache)
   work = Workload(args)
   results: dict = {"pair": work.name}
   header = ["study", "S or c", "schedule", "tokens/s (GPU)", "tokens/s (user)", "τ", "occupancy",
