@@ -432,3 +432,86 @@ def test_bad_training_options_are_named(changes, name):
   from dspark_jax.train import drafter
   with pytest.raises(ValueError, match=f"^{name}:"):
     drafter.TrainOptions(**changes)
+
+
+# ---- pre-tokenized rows (.npz) -------------------------------------------------------------------
+
+_ROW_FLAGS = ["--layers", "1", "--gamma", "3", "--rank", "8", "--steps", "6", "--batch-size", "4",
+              "--seq-len", "64", "--anchors", "8", "--lr", "1e-2", "--eval-every", "6",
+              "--eval-tokens", "8", "--log-every", "1", "--checkpoint-every", "6"]
+
+
+def _history(out):
+  with open(os.path.join(out, "training", "history.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.slow  # two short training runs through the command: ~15 s on 2 cores
+def test_token_rows_train_as_the_same_rows_from_conversations(chain_dir, tmp_path):
+  # The conversations packed by the jsonl path, saved as an .npz, train bit for bit the same
+  # drafter: the two data forms differ only in how the rows are made.
+  _, target, data = chain_dir
+  packed = cv.load_packed(data, load_tokenizer(target), 64)
+  rows = tmp_path / "rows.npz"
+  np.savez(rows, tokens=packed.tokens, loss_mask=packed.mask)
+  runs = {}
+  for name, source in (("jsonl", data), ("npz", str(rows))):
+    out = str(tmp_path / name)
+    assert cli.main(["train", "--target", target, "--data", source, "--out", out,
+                     "--heldout", "0"] + _ROW_FLAGS) == 0
+    runs[name] = _history(out)["history"]
+  assert [h["loss"] for h in runs["npz"]] == [h["loss"] for h in runs["jsonl"]]
+  assert runs["npz"][-1]["loss"] < runs["npz"][0]["loss"]
+  # Held-out rows: their prompts are the tokens before the first masked one, decoded for τ.
+  out = str(tmp_path / "heldout")
+  assert cli.main(["train", "--target", target, "--data", str(rows), "--out", out,
+                   "--heldout", "2"] + _ROW_FLAGS) == 0
+  evaluations = _history(out)["evaluations"]
+  assert [e["step"] for e in evaluations] == [0, 6] and all(e["tau"] >= 1 for e in evaluations)
+  with open(os.path.join(out, "training", "options.json")) as f:
+    assert json.load(f)["rows"] == len(packed.tokens) - 2
+
+
+def test_heldout_prompts_are_the_tokens_before_the_first_masked_one():
+  from dspark_jax.train import token_rows
+  tokens = np.arange(12, dtype=np.int32).reshape(2, 6)
+  mask = np.array([[0, 0, 1, 1, 0, 1], [0, 1, 1, 1, 1, 1]], bool)
+  rows = cv.Packed(tokens, mask, [[7], [8]])
+  assert token_rows.heldout_prompts(rows, "f.npz") == [[0, 1], [6]]
+  mask[1, 0] = True
+  with pytest.raises(cv.DataError, match=r"f\.npz: held-out row 8 has no prompt"):
+    token_rows.heldout_prompts(rows, "f.npz")
+
+
+def test_bad_token_rows_are_refused_by_name(chain_dir, tmp_path, capsys):
+  _, target, _ = chain_dir
+  good = np.ones((3, 16), np.int32), np.ones((3, 16), bool)
+
+  def train(name, heldout="0", **arrays):
+    path = tmp_path / name
+    if arrays:
+      np.savez(path, **arrays)
+    return _fails(["train", "--target", target, "--data", str(path), "--out",
+                   str(tmp_path / "out"), "--heldout", heldout], capsys)
+
+  not_npz = tmp_path / "text.npz"
+  not_npz.write_text("tokens")
+  assert f"{not_npz}: not a .npz of arrays" in train("text.npz")
+  assert "no array 'loss_mask'" in train("a.npz", tokens=good[0])
+  assert "loss_mask has shape (3, 15), tokens (3, 16)" in train(
+      "b.npz", tokens=good[0], loss_mask=good[1][:, :15])
+  assert "tokens has dtype float32" in train("c.npz", tokens=good[0].astype(np.float32),
+                                             loss_mask=good[1])
+  far = good[0].copy()
+  far[1, 4] = TARGET.vocab_size
+  assert f"tokens[1, 4] = {TARGET.vocab_size} is outside the target's vocabulary" in train(
+      "d.npz", tokens=far, loss_mask=good[1])
+  two = good[1].astype(np.int8)
+  two[2, 3] = 2
+  assert "loss_mask[2, 3] = 2; expected 0 or 1" in train("e.npz", tokens=good[0], loss_mask=two)
+  empty = good[1].copy()
+  empty[1] = False
+  assert "loss_mask row 1 has no true entry" in train("f.npz", tokens=good[0], loss_mask=empty)
+  assert "3 rows, but heldout=3 are kept out" in train("g.npz", "3", tokens=good[0],
+                                                       loss_mask=good[1])
+  assert "held-out row 2 has no prompt" in train("h.npz", "1", tokens=good[0], loss_mask=good[1])

@@ -42,7 +42,9 @@ def add_parsers(sub) -> None:
   """Adds ``train`` and ``regenerate`` to the subparsers `sub`."""
   train = sub.add_parser("train", help="train a DSpark drafter for a Qwen3 target")
   train.add_argument("--target", required=True, help="Hugging Face Qwen3 directory (+ tokenizer)")
-  train.add_argument("--data", required=True, help="conversation jsonl (turns or messages)")
+  train.add_argument("--data", required=True,
+                     help="conversation jsonl (turns or messages), or an .npz of token rows "
+                          "(tokens, loss_mask: [N, L])")
   train.add_argument("--out", required=True, help="the drafter's directory (rerun: resumes)")
   train.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
   train.add_argument("--dtype", type=flags.dtype, default=None,

@@ -6,6 +6,7 @@ command built on them.
   states. Model weights are written in `dspark_jax.formats.checkpoints`' format.
 * `conversations`: conversation jsonl rendered with a target's chat template, masked to the
   responses and packed into fixed-length rows.
+* `token_rows`: pre-tokenized rows and their loss mask, read from an ``.npz`` and checked.
 * `drafter`: `train_drafter`, a DSpark drafter for a Hugging Face Qwen3 target (``dspark-jax
   train``).
 * `regenerate`: the target's own answers to a prompt file (``dspark-jax regenerate``).

@@ -11,7 +11,10 @@ This module owns the product around the losses and the `Trainer` (docs/training.
   conversations (``enable_thinking`` as asked), the loss counts response tokens only, and rows are
   packed to `TrainOptions.seq_len`. The last `TrainOptions.heldout` conversations are kept out of
   training: their prompts give the held-out τ (greedy speculative decoding of
-  `TrainOptions.eval_tokens` tokens) every `TrainOptions.eval_every` steps.
+  `TrainOptions.eval_tokens` tokens) every `TrainOptions.eval_every` steps. Data already
+  tokenized comes as an ``.npz`` of token rows and their loss mask (`dspark_jax.train.token_rows`):
+  the rows are used as they are, the last `TrainOptions.heldout` kept out, their tokens before the
+  first masked one the held-out prompts.
 * **Training.** SPEC §8's recipe with DeepSpec's settings by default (`TrainOptions`:
   `trainer.dspark_loss` with the response mask; AdamW, b2 0.999, no weight decay, at 6e-4 with
   4 % warm-up and cosine decay to zero; global-norm clipping at 1; 10 epochs):
@@ -48,6 +51,7 @@ from dspark_jax.parallel import placement
 from dspark_jax.sampling import params as sp
 from dspark_jax.text import tokenizer as tk
 from dspark_jax.train import conversations as cv
+from dspark_jax.train import token_rows
 from dspark_jax.train import trainer as training
 
 TRAINING_DIR = "training"
@@ -113,7 +117,7 @@ class TrainOptions:
       ``rows // batch_size`` steps (at least one), as DeepSpec counts them.
     epochs: passes over the training rows when `steps` is None.
     batch_size: sequences per step (a multiple of `accumulate` * `dp`). seq_len: tokens per packed
-      row. anchors: blocks per sequence.
+      row of conversations (token rows keep their own length). anchors: blocks per sequence.
     learning_rate, warmup_fraction: the peak rate and the warm-up's share of the steps.
     final_lr_fraction: the rate at the last step, as a fraction of the peak.
     weight_decay, adam_b2: AdamW's decoupled weight decay and second-moment decay.
@@ -258,6 +262,16 @@ def _split(conversations: list[cv.Conversation], heldout: int, what: str):
   return (conversations[:-heldout], conversations[-heldout:]) if heldout else (conversations, [])
 
 
+def _split_rows(rows: cv.Packed, heldout: int, what: str) -> tuple[cv.Packed, cv.Packed]:
+  n = rows.tokens.shape[0]
+  if heldout and n <= heldout:
+    raise cv.DataError(f"{what}: {n} rows, but heldout={heldout} are kept out of training; add "
+                       "data or lower heldout")
+  cut = n - heldout
+  part = lambda a, b: cv.Packed(rows.tokens[a:b], rows.mask[a:b], rows.lines[a:b])
+  return part(0, cut), part(cut, n)
+
+
 def train_drafter(target_dir: str, data: str, out_dir: str, *,
                   options: TrainOptions | None = None, draft_config: dict | None = None,
                   dtype=None, tokenizer_dir: str | None = None,
@@ -267,7 +281,9 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
 
   Args:
     target_dir: a Hugging Face Qwen3 directory with its tokenizer (or `tokenizer_dir`).
-    data: conversation jsonl (`dspark_jax.train.conversations`).
+    data: conversation jsonl (`dspark_jax.train.conversations`), or an ``.npz`` of token rows and
+      their loss mask (`dspark_jax.train.token_rows`; the rows keep their own length, and a
+      held-out row's prompt is its tokens before the first masked one).
     out_dir: the drafter's directory (created).
     options: `TrainOptions` (default: its defaults).
     draft_config: keyword arguments of `default_draft_config` (``num_layers``, ``gamma``,
@@ -277,21 +293,29 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
 
   Raises:
     FileNotFoundError: a missing directory or file. `conversations.DataError`: bad data or a
-      tokenizer without a chat template (naming the file, line and field). ValueError: a bad
+      tokenizer without a chat template for conversations (naming the file, line and field, or
+      the array and element). ValueError: a bad
       option or draft choice (naming it).
   """
   options = options or TrainOptions()
   target_dir = validation.check_path("target_dir", target_dir)
   out_dir = os.fspath(out_dir)
   tokenizer = tk.load_tokenizer(tokenizer_dir or target_dir)
-  cv.check_chat_template(tokenizer, f"{tokenizer_dir or target_dir}: tokenizer")
-  conversations = cv.read_conversations(data)
-  train_part, heldout_part = _split(conversations, options.heldout, data)
-  packed = cv.load_packed(data, tokenizer, options.seq_len,
-                          template_kwargs=options.template_kwargs, conversations=train_part)
-
   hf = qwen3.read_config(target_dir)
   target_config = qwen3.config_from_hf(hf)
+  if token_rows.is_token_rows(data):
+    rows = token_rows.read_token_rows(data, target_config.vocab_size)
+    packed, held = _split_rows(rows, options.heldout, data)
+    prompts = token_rows.heldout_prompts(held, data)
+  else:
+    cv.check_chat_template(tokenizer, f"{tokenizer_dir or target_dir}: tokenizer")
+    conversations = cv.read_conversations(data)
+    train_part, heldout_part = _split(conversations, options.heldout, data)
+    packed = cv.load_packed(data, tokenizer, options.seq_len,
+                            template_kwargs=options.template_kwargs, conversations=train_part)
+    prompts = [tokenizer.encode_chat(c.prompt(), add_generation_prompt=True,
+                                     **options.template_kwargs) for c in heldout_part]
+
   choices = dict(draft_config or {})
   if choices.get("mask_token_id") is None:
     choices["mask_token_id"] = default_mask_token_id(target_config, tokenizer.vocab_size)
@@ -311,8 +335,6 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
         "rows": int(len(packed.tokens)), "response_tokens": packed.response_tokens,
         "steps": steps, "micro_batches": options.micro_batches}, f, indent=1)
 
-  prompts = [tokenizer.encode_chat(c.prompt(), add_generation_prompt=True,
-                                   **options.template_kwargs) for c in heldout_part]
   stops = [i for i in tokenizer.stop_token_ids if i < target.config.vocab_size]
   mesh = (None if options.dp * options.tp == 1 else
           placement.make_mesh(options.tp, options.dp))
@@ -334,7 +356,7 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
       frozen=target, checkpoint_path=os.path.join(state_dir, STATE_FILE),
       checkpoint_every=options.checkpoint_every, max_seconds=options.max_seconds,
       master_dtype=jnp.float32, accumulate=options.micro_batches, mesh=mesh, schedule=schedule,
-      tokens_per_step=options.batch_size * options.seq_len, evaluate=evaluate,
+      tokens_per_step=options.batch_size * packed.tokens.shape[1], evaluate=evaluate,
       evaluate_every=options.eval_every or steps)
   batches = training.masked_draft_batches(packed.tokens, packed.mask, options.batch_size,
                                           options.anchors, config.gamma, seed=options.seed)
