@@ -21,6 +21,10 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
   counted, so the MFU is a lower bound;
 * MFU: model FLOPs per second over this run's bf16 matrix rate (`harness.matmul_rate`, measured
   on this device: no card's peak is written here);
+* the target's part alone (`trainer.target_law`: the frozen target's forward with its LM head at
+  every position and the float32 softmax, reduced to a scalar so that XLA keeps all of it), timed
+  the same way in a program of its own, and its share of the step: what a cache of the target's
+  features (DeepSpec's offline target cache) could save at most;
 * the compiled step's memory as XLA plans it (`memory_analysis`, before the step runs, so it is
   printed even when the step then fails): its scratch and the estimated peak, arguments (the
   parameters, optimizer state, target and batch) plus outputs plus scratch, less what is donated.
@@ -108,6 +112,22 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
   return step, memory(compiled)
 
 
+def build_target_part(target, batch: int, length: int):
+  """A thunk running the step's target part alone (module docstring) on random tokens."""
+  t_def, t_state = nnx.split(target)
+  rng = np.random.default_rng(1)
+  tokens = harness.on_device(jnp.asarray(
+      rng.integers(0, target.config.vocab_size - 1, (batch, length)), jnp.int32))
+
+  @jax.jit
+  def run(state, tokens):
+    probs, features = training.target_law(nnx.merge(t_def, state), tokens)
+    return jnp.sum(probs[..., 0] * probs[..., -1]) + jnp.sum(features.astype(jnp.float32))
+
+  compiled = run.lower(t_state, tokens).compile()
+  return lambda: jax.block_until_ready(compiled(t_state, tokens))
+
+
 def memory(compiled) -> dict[str, int] | None:
   """``{"temp_bytes", "peak_bytes"}`` of a compiled program (module docstring), or None where
   the backend does not say."""
@@ -130,33 +150,38 @@ def main(argv=None) -> int:
   rate = meta["matmul_tflops"] * 1e12
   target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
-  error, seconds, planned = None, None, None
+  error, seconds, planned, target_s = None, None, None, None
   try:
     step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
     if planned:
       print(f"compiled step: scratch {_size(planned['temp_bytes'])}, estimated peak "
             f"{_size(planned['peak_bytes'])}", flush=True)
     seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
+    del step
+    target_s = harness.time_one(build_target_part(target, args.batch, args.seq_len),
+                                repeats=args.repeats, warmup=args.warmup)
   except Exception as exc:  # noqa: BLE001 - reported (e.g. out of memory), not raised
     error = bench_decode.describe_failure(exc)
   result = {"batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors,
             "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error,
-            "memory": planned}
+            "memory": planned, "target_seconds": target_s}
   if seconds is not None:
     result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
                   block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,
                   mfu=flops["total"] / seconds / rate)
+  if seconds is not None and target_s is not None:
+    result["target_share"] = target_s / seconds
   cell = lambda key, fmt: "-" if result.get(key) is None else fmt.format(result[key])
   rows = [[str(args.batch), str(args.seq_len), str(args.anchors), str(args.gamma),
            cell("seconds", "{:.4f}"), cell("sequence_tokens_per_s", "{:.0f}"),
            cell("block_tokens_per_s", "{:.0f}"), f"{flops['total'] / 1e12:.2f}",
-           cell("mfu", "{:.3f}"),
+           cell("mfu", "{:.3f}"), cell("target_seconds", "{:.4f}"), cell("target_share", "{:.2f}"),
            "-" if not planned else _size(planned["peak_bytes"]), (error or "")[:40]]]
   title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
            f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
-  harness.finish(title, ["B", "L", "A", "γ", "s/step", "seq tok/s", "block tok/s", "TFLOP",
-                         "MFU", "peak", "error"], rows, meta=meta, results=result,
-                 json_path=args.json)
+  header = ["B", "L", "A", "γ", "s/step", "seq tok/s", "block tok/s", "TFLOP", "MFU", "target s",
+            "share", "peak", "error"]
+  harness.finish(title, header, rows, meta=meta, results=result, json_path=args.json)
   return int(error is not None)
 
 

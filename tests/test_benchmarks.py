@@ -119,3 +119,17 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
   assert [row[0] for row in rows] == ["in", "loaded"]  # "in memory", split on spaces
   assert rows[1][-2:] == ["2/2", "2/2"]
   assert set(saved["results"]["e2e"]) == {"in memory", "loaded"}
+
+
+def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys):
+  from benchmarks import bench_train
+  saved, header, (row,) = run_and_read_table(bench_train, "bench_train (",
+                                             ["--small", "--repeats", "1"],
+                                             tmp_path / "train.json", capsys)
+  result = saved["results"]
+  assert result["error"] is None and result["seconds"] > 0 and result["target_seconds"] > 0
+  assert result["target_share"] == pytest.approx(result["target_seconds"] / result["seconds"])
+  assert result["model_flops"]["total"] == pytest.approx(
+      result["model_flops"]["target"] + result["model_flops"]["draft"])
+  assert "target s" in header and "share" in header
+  assert float(row[4]) == pytest.approx(result["seconds"], rel=1e-3, abs=1e-4)   # s/step

@@ -19,8 +19,8 @@ This module owns the product around the losses and the `Trainer` (docs/training.
   `trainer.dspark_loss` with the response mask; AdamW, b2 0.999, no weight decay, at 6e-4 with
   4 % warm-up and cosine decay to zero; global-norm clipping at 1; 10 epochs):
   `TrainOptions.batch_size` sequences of `TrainOptions.anchors` blocks per step, split into
-  `TrainOptions.micro_batches` micro-batches, over `TrainOptions.dp` data-parallel devices; float32 parameters and optimizer
-  state over weights stored in the draft's dtype. Anchors and rows are a pure function of
+  `TrainOptions.micro_batches` micro-batches, over `TrainOptions.dp` data-parallel devices;
+  float32 parameters and optimizer state over weights stored in the draft's dtype. Anchors and rows are a pure function of
   (seed, step), so a run resumed from its checkpoint equals an uninterrupted one.
 * **Output.** ``OUT/`` holds the drafter in DeepSpec's format (or speculators', `format`), which
   `dspark_jax.load_pretrained(target_dir, OUT)` loads; ``OUT/training/`` holds the resumable

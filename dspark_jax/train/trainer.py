@@ -68,6 +68,17 @@ def _gather_rows(x, index):
   return flat.reshape(n, a, g, *x.shape[2:])
 
 
+def target_law(target: tm.TargetModel, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The frozen target's part of `dspark_loss` on [N, L] sequences at positions 0..L-1: its law
+  at every position, [N, L, V] float32 probabilities, and its features [N, L, F], both outside
+  the gradient. The part a cache of target features would replace."""
+  n, length = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length), (n, length))
+  logits, features, _ = target(tokens, positions, tm.init_cache(target.config, n, length))
+  probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
+  return jax.lax.stop_gradient(probs), jax.lax.stop_gradient(features)
+
+
 def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array,
                 anchors: jax.Array, loss_mask: jax.Array | None = None, *,
                 use_markov: bool = True) -> tuple[jax.Array, dict]:
@@ -86,9 +97,7 @@ def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array
   n, length = tokens.shape
   a = anchors.shape[1]
   positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-  target_logits, features, _ = target(tokens, positions, tm.init_cache(target.config, n, length))
-  p_target_all = jax.lax.stop_gradient(jax.nn.softmax(target_logits.astype(jnp.float32), -1))
-  features = jax.lax.stop_gradient(features)
+  p_target_all, features = target_law(target, tokens)
 
   context = draft.extend_context(features, positions, draft.init_context(n, length))  # [N, K, L, D]
   steps = jnp.arange(gamma)
