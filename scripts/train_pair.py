@@ -34,6 +34,15 @@ table last):
               read back with `dspark_jax.load_pretrained` as a check. Part of ``all`` when
               ``--hf-dir`` is given.
 
+A check, run on its own after ``draft`` (not part of ``all``):
+
+  draft-command  the drafter trained again through ``dspark-jax train``'s function
+              (`dspark_jax.train.drafter.train_drafter`) on the same rows (the draft-data
+              sequences as an ``.npz`` of token rows, the loss on the continuation), step count,
+              batch, anchors, learning rate and optimizer settings, from the target exported as a
+              Hugging Face directory (``hf_target/``); writes ``draft_command/`` (DeepSpec format)
+              and both drafters' greedy τ on the held-out prompts.
+
 Time. Training stages measure their step rate after compiling (a short probe inside the warm-up,
 whose learning rates do not depend on the horizon) and fit their step count to the stage's budget,
 then set the cosine schedule's horizon to it; the fitted count is logged, so ``--target-steps N``
@@ -80,6 +89,7 @@ from dspark_jax.scheduling import calibration  # noqa: E402
 from dspark_jax.formats import checkpoints  # noqa: E402
 from dspark_jax.text import byte_bpe  # noqa: E402
 from dspark_jax.train import data  # noqa: E402
+from dspark_jax.train import drafter  # noqa: E402
 from dspark_jax.train.drafter import spread_layers  # noqa: E402,F401
 from dspark_jax.train import trainer as training  # noqa: E402
 
@@ -93,6 +103,8 @@ STAGES = ("data", "target", "draft-data", "draft", "ablation", "calibrate", "exp
 BUDGETS = {"data": 50.0, "target": 190.0, "draft-data": 35.0, "draft": 80.0, "ablation": 70.0,
            "calibrate": 45.0, "export": 15.0, "export-hf": 10.0}
 """Default seconds per stage under ``--stage all`` (shares of ``--total-seconds``)."""
+CHECKS = ("draft-command",)
+"""Stages run on their own only, after ``all`` (or its stages up to ``draft``)."""
 FITTED = ("target", "draft")
 """Stages whose step count is fitted to their budget (they may use up to 1.3x their share)."""
 PROBE_STEPS = 30
@@ -631,6 +643,72 @@ def stage_export(args, budget):
   return f"{total / 1e6:.1f} MB in {len(os.listdir(args.export))} files{over}"
 
 
+def write_hf_target(target, directory: str, tokenizer_json: str) -> list[str]:
+  """The target as a Hugging Face Qwen3 directory with the byte-level tokenizer beside it."""
+  written = dj.save_pretrained(target, directory)
+  shutil.copyfile(tokenizer_json, os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": byte_bpe.END_OF_TEXT,
+               "pad_token": byte_bpe.END_OF_TEXT, "mask_token": byte_bpe.MASK,
+               "clean_up_tokenization_spaces": False}, f, indent=2)
+  with open(os.path.join(directory, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": byte_bpe.END_OF_TEXT_ID,
+               "pad_token_id": byte_bpe.END_OF_TEXT_ID}, f, indent=2)
+  return written
+
+
+def heldout_token_prompts(args) -> list[np.ndarray]:
+  """The held-out prompts (``heldout_prompts.json``) as token ids, their last 512 tokens."""
+  tokenizer = byte_bpe.load_tokenizer(path(args, "tokenizer.json"))
+  with open(path(args, "heldout_prompts.json")) as f:
+    texts = json.load(f)[:2 if args.tiny else 16]
+  return [np.asarray(tokenizer.encode(t, add_special_tokens=False).ids[-512:], np.int32)
+          for t in texts]
+
+
+def stage_draft_command(args, budget):
+  """The drafter stage through ``dspark-jax train``'s function (`train_drafter`): the same rows
+  (the draft-data sequences as token rows, the loss on the continuation), step count, batch,
+  anchors, learning rate and optimizer settings as stage ``draft``, from the target exported as a
+  Hugging Face directory; then both drafters' greedy τ on the held-out prompts. Not part of
+  ``--stage all``: a check of the command against this script's own loop."""
+  start = time.perf_counter()
+  target = checkpoints.load_target(path(args, "target.safetensors"))
+  hf_dir = path(args, "hf_target")
+  write_hf_target(target, hf_dir, path(args, "tokenizer.json"))
+  sequences = np.load(path(args, "draft_sequences.npy")).astype(np.int32)
+  mask = np.zeros(sequences.shape, bool)
+  mask[:, PROMPT_TOKENS:] = True                     # as stage draft: anchors in the continuation
+  rows = path(args, "draft_rows.npz")
+  np.savez(rows, tokens=sequences, loss_mask=mask)
+  steps = args.draft_steps or read_json(args, "draft_log.json")["steps"]
+  warmup = 3 if args.tiny else 100
+  options = drafter.TrainOptions(
+      steps=steps, batch_size=8 if args.tiny else 32, anchors=8, learning_rate=args.draft_lr,
+      warmup_fraction=min(warmup / steps, 0.5), final_lr_fraction=0.1, weight_decay=0.01,
+      adam_b2=0.95, accumulate=1, seed=2, heldout=0, eval_every=0,
+      checkpoint_every=min(args.checkpoint_every, steps), max_seconds=budget)
+  choices = dict(num_layers=1, gamma=gamma(args.tiny), rank=16 if args.tiny else 128,
+                 head_kind="vanilla", confidence=True, confidence_with_markov=True,
+                 target_layer_ids=target.config.feature_layers, mask_token_id=byte_bpe.MASK_ID)
+  result = drafter.train_drafter(hf_dir, rows, path(args, "draft_command"), options=options,
+                                 draft_config=choices, dtype=target.config.dtype, progress=False)
+  prompts = heldout_token_prompts(args)
+  new_tokens = 16 if args.tiny else 128
+  ours = checkpoints.load_draft(path(args, "draft.safetensors"), result.target.config)
+  tau = {name: drafter.heldout_tau(result.target, model, prompts,
+                                   max_new_tokens=new_tokens)["tau"]
+         for name, model in (("command", result.draft), ("draft", ours))}
+  last = result.history[-1] if result.history else {}
+  log_json(args, "draft_command_log.json", {
+      "steps": result.step, "requested_steps": steps, "tau": tau, "prompts": len(prompts),
+      "new_tokens": new_tokens, "seconds": time.perf_counter() - start, "loss": last.get("loss"),
+      "options": dataclasses.asdict(options)})
+  return (f"{result.step} steps, loss {last.get('loss', float('nan')):.3f}; held-out τ: command "
+          f"{tau['command']:.3f}, stage draft {tau['draft']:.3f} "
+          f"({tau['command'] / tau['draft']:.3f}x)")
+
+
 def stage_export_hf(args, budget):
   del budget
   if not args.hf_dir:
@@ -641,16 +719,8 @@ def stage_export_hf(args, budget):
                       ("ablation", pair.ablation)):
     directory = os.path.join(args.hf_dir, name)
     if name == "target":
-      written[name] = dj.save_pretrained(model, directory)
-      shutil.copyfile(os.path.join(args.export, "tokenizer.json"),
-                      os.path.join(directory, "tokenizer.json"))
-      with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": byte_bpe.END_OF_TEXT,
-                   "pad_token": byte_bpe.END_OF_TEXT, "mask_token": byte_bpe.MASK,
-                   "clean_up_tokenization_spaces": False}, f, indent=2)
-      with open(os.path.join(directory, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": byte_bpe.END_OF_TEXT_ID,
-                   "pad_token_id": byte_bpe.END_OF_TEXT_ID}, f, indent=2)
+      written[name] = write_hf_target(model, directory,
+                                      os.path.join(args.export, "tokenizer.json"))
     else:
       written[name] = dj.save_pretrained(model, directory, target=pair.target)
   # Read back: the pair loads, with the calibrated temperatures.
@@ -666,7 +736,8 @@ def stage_export_hf(args, budget):
 RUNNERS = {"data": stage_data, "target": stage_target, "draft-data": stage_draft_data,
            "draft": lambda a, b: stage_draft(a, b, True),
            "ablation": lambda a, b: stage_draft(a, b, False),
-           "calibrate": stage_calibrate, "export": stage_export, "export-hf": stage_export_hf}
+           "calibrate": stage_calibrate, "export": stage_export, "export-hf": stage_export_hf,
+           "draft-command": stage_draft_command}
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -705,7 +776,7 @@ def summary(rows, total_seconds, total_budget) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--stage", required=True, choices=("all",) + STAGES)
+  parser.add_argument("--stage", required=True, choices=("all",) + STAGES + CHECKS)
   parser.add_argument("--work", default=os.path.join("runs", "pycorpus"))
   parser.add_argument("--export", default=os.path.join("dspark_jax", "assets"))
   parser.add_argument("--hf-dir", default=None,
