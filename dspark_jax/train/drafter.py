@@ -20,8 +20,9 @@ This module owns the product around the losses and the `Trainer` (docs/training.
   4 % warm-up and cosine decay to zero; global-norm clipping at 1; 10 epochs):
   `TrainOptions.batch_size` sequences of `TrainOptions.anchors` blocks per step, split into
   `TrainOptions.micro_batches` micro-batches, over `TrainOptions.dp` data-parallel devices;
-  float32 parameters and optimizer state over weights stored in the draft's dtype. Anchors and rows are a pure function of
-  (seed, step), so a run resumed from its checkpoint equals an uninterrupted one.
+  float32 parameters and optimizer state over weights stored in the draft's dtype. Anchors and
+  rows are a pure function of (seed, step), so a run resumed from its checkpoint equals an
+  uninterrupted one.
 * **Output.** ``OUT/`` holds the drafter in DeepSpec's format (or speculators', `format`), which
   `dspark_jax.load_pretrained(target_dir, OUT)` loads; ``OUT/training/`` holds the resumable
   state (``train_state.safetensors``, every `TrainOptions.checkpoint_every` steps), the options,
