@@ -69,9 +69,9 @@ def _ragged_entry(value) -> str:
   return ""
 
 
-def _first(bad: np.ndarray) -> tuple:
-  index = np.argwhere(bad)[0]
-  return tuple(int(i) for i in index)
+def first_index(bad: np.ndarray) -> tuple[int, ...]:
+  """The index of the first true element of the boolean array `bad` (C order)."""
+  return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def _where(index: tuple) -> str:
@@ -104,7 +104,7 @@ def check_range(name: str, value, low: int, high: int, *, what: str | None = Non
     wide = array.astype(np.int64)
     bad = (wide < low) | (wide >= high)
   if bad.any():
-    index = _first(bad)
+    index = first_index(bad)
     rule = what or f"must be in [{low}, {high})"
     raise ValueError(f"{name}: {_where(index)} is {array[index]}; {rule}")
 

@@ -25,6 +25,7 @@ import zipfile
 
 import numpy as np
 
+from dspark_jax import validation
 from dspark_jax.train import conversations as cv
 
 TOKENS = "tokens"
@@ -34,10 +35,6 @@ MASK = "loss_mask"
 def is_token_rows(path: str | os.PathLike) -> bool:
   """Whether `path` names pre-tokenized rows (an ``.npz``) rather than conversation jsonl."""
   return os.fspath(path).lower().endswith(".npz")
-
-
-def _first(bad: np.ndarray) -> tuple[int, ...]:
-  return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def read_token_rows(path: str | os.PathLike, vocab_size: int) -> cv.Packed:
@@ -68,7 +65,7 @@ def read_token_rows(path: str | os.PathLike, vocab_size: int) -> cv.Packed:
     raise cv.DataError(f"{where}: {TOKENS} has dtype {tokens.dtype}; expected integer token ids")
   bad = (tokens < 0) | (tokens >= vocab_size)
   if bad.any():
-    r, c = _first(bad)
+    r, c = validation.first_index(bad)
     raise cv.DataError(f"{where}: {TOKENS}[{r}, {c}] = {int(tokens[r, c])} is outside the "
                        f"target's vocabulary 0..{vocab_size - 1}")
   if mask.dtype != np.bool_:
@@ -76,7 +73,7 @@ def read_token_rows(path: str | os.PathLike, vocab_size: int) -> cv.Packed:
       raise cv.DataError(f"{where}: {MASK} has dtype {mask.dtype}; expected bool or 0/1 integers")
     bad = (mask != 0) & (mask != 1)
     if bad.any():
-      r, c = _first(bad)
+      r, c = validation.first_index(bad)
       raise cv.DataError(f"{where}: {MASK}[{r}, {c}] = {int(mask[r, c])}; expected 0 or 1")
   mask = mask.astype(bool)
   empty = ~mask.any(axis=1)
