@@ -74,7 +74,10 @@ def target_law(target: tm.TargetModel, tokens: jax.Array) -> tuple[jax.Array, ja
   the gradient. The part a cache of target features would replace."""
   n, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length), (n, length))
-  logits, features, _ = target(tokens, positions, tm.init_cache(target.config, n, length))
+  # Positions 0..L-1 of a fresh cache: a one-pass prefill (on a GPU, cuDNN's causal attention
+  # over the call's own keys, not the chunk form's two parts over an empty prior cache).
+  logits, features, _ = target(tokens, positions, tm.init_cache(target.config, n, length),
+                               fresh=True)
   probs = jax.nn.softmax(logits.astype(jnp.float32), -1)
   return jax.lax.stop_gradient(probs), jax.lax.stop_gradient(features)
 
