@@ -186,7 +186,7 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   target, draft = pair
   path = tmp_path / "sps.json"
   profile = dj.profile_sps(target, draft, batch_tokens=[6, 1, 4, 5], context=8, repeats=1,
-                           steps=2, path=path)
+                           steps=2, path=path, draft_cost=False)   # the verify forwards alone
   np.testing.assert_array_equal(profile.batch_tokens, [1, 4, 5, 6])
   np.testing.assert_array_equal(profile.rows, [1, 1, 2, 2])  # ceil(n / (γ + 1))
   assert profile.seconds.shape == (4, 1) and profile.gamma == GAMMA and profile.context == 8
@@ -202,14 +202,17 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   np.testing.assert_array_equal(buckets.batch_tokens, decoding.packing.token_buckets(
       ROWS, GAMMA + 1))
   assert np.all(buckets.rows == ROWS) and len(buckets.dense()) == ROWS * (GAMMA + 1) + 1
-  # With the draft's cost: each rate is one verify plus the draft forward of its rows, saved too.
+  # By default, given the draft, each rate is one verify plus the draft forward of its rows, saved
+  # too; without a draft, the verify alone.
   rounds = dj.profile_sps(target, draft, batch_tokens=[6], context=8, repeats=1, steps=2,
-                          draft_cost=True, path=tmp_path / "rounds.json")
+                          path=tmp_path / "rounds.json")
   assert rounds.draft_seconds.shape == (1,) and np.all(rounds.draft_seconds > 0)
   np.testing.assert_allclose(
       rounds.steps_per_second, 1 / (rounds.seconds[:, 0] / 2 + rounds.draft_seconds), rtol=1e-12)
   assert json.load(open(tmp_path / "rounds.json"))["draft_seconds"] == rounds.draft_seconds.tolist()
   assert profile.draft_seconds is None
+  assert dj.profile_sps(target, gamma=GAMMA, batch_tokens=[6], context=8, repeats=1,
+                        steps=1).draft_seconds is None
   for bad, match in ((dict(batch_tokens=[4, 0]), "^batch_tokens: entry 1 is 0"),
                      (dict(batch_tokens=[4], batch_size=2), "^batch_size, batch_tokens: give one"),
                      (dict(batch_tokens=[]), "^batch_tokens: expected a non-empty"),

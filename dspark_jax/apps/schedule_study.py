@@ -360,9 +360,10 @@ def sps_batch_tokens(max_batch: int, gamma: int) -> list[int]:
 
 def measure_sps(target, draft, *, max_batch: int, context: int, repeats: int = 3, steps: int = 4,
                 path: str | os.PathLike | None = None) -> SpsProfile:
-  """`profile_sps` over `sps_batch_tokens` (on the current device); saved to `path` if given."""
+  """`profile_sps` of the verify forwards alone (``draft_cost=False``: the study's verify-bound
+  model) over `sps_batch_tokens` (on the current device); saved to `path` if given."""
   return profile_sps(target, draft, batch_tokens=sps_batch_tokens(max_batch, draft.config.gamma),
-                     context=context, repeats=repeats, steps=steps, path=path)
+                     context=context, repeats=repeats, steps=steps, path=path, draft_cost=False)
 
 
 def verify_bound_tokens_per_second(row: ScheduleRow, sps) -> float:

@@ -2,9 +2,10 @@
 
 This module owns `profile_sps`, the measurement behind the ``sps`` table that the schedules
 `schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
-passes per second with n batch tokens; with ``draft_cost=True``, rounds per second: each verify
-plus the draft forward of its rows, the part of a round whose cost does not follow n (the paper's
-"engine steps per second"), so that τ·SPS(n) is the round's token rate, not only the verify's.
+passes per second with n batch tokens; with ``draft_cost=True`` (the default when the draft is
+given), rounds per second: each verify plus the draft forward of its rows, the part of a round
+whose cost does not follow n (the paper's "engine steps per second"), so that τ·SPS(n) is the
+round's token rate, not only the verify's.
 
 **What is timed.** The packed verify a scheduled decoding round runs (`decoding.packing`): n
 tokens of rows at positions ``context .. context + γ``, packed into a bucket of n slots, over a
@@ -202,7 +203,7 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
                 batch_size: int | None = None, batch_tokens: Sequence[int] | None = None,
                 context: int = 1024,
                 gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
-                path: str | os.PathLike | None = None, draft_cost: bool = False) -> SpsProfile:
+                path: str | os.PathLike | None = None, draft_cost: bool | None = None) -> SpsProfile:
   """Measures the target's verify steps per second at each verify batch size (module docstring).
 
   Args:
@@ -218,6 +219,7 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     path: if given, the table is saved there as JSON (`SpsProfile.save`).
     draft_cost: also time the draft forward of each size's rows and fold it in: the rates are
       rounds per second, ``1 / (verify + draft forward)`` (module docstring). Needs `draft`.
+      None (the default): True when `draft` is given, else False (verify forwards only).
 
   Returns:
     An `SpsProfile`; `SpsProfile.dense` is the dense ``sps`` the schedules take (a saved file
@@ -243,6 +245,8 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   gamma = validation.check_positive_int("gamma", gamma)
   if draft is not None and draft.config.gamma != gamma:
     raise ValueError(f"gamma: {gamma}, but the draft drafts γ = {draft.config.gamma}")
+  if draft_cost is None:
+    draft_cost = draft is not None
   if not isinstance(draft_cost, (bool, np.bool_)):
     raise ValueError(f"draft_cost: expected a bool, got {draft_cost!r}")
   if draft_cost and draft is None:
