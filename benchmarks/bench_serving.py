@@ -41,7 +41,7 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   row and round, occupancy, the mean time to first token (from the start of the run, queueing
   included), the wall split into chunks, refills (prefills) and the host's work between them,
   the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
-  verify tokens, plus the measured refills; measured / model in the table) and the compilation's
+  verify tokens, plus the measured refills and host work; measured / model in the table) and the compilation's
   seconds apart (the warm-up's and any in the measured runs, which the queue's clock leaves out).
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
@@ -451,15 +451,15 @@ def memory_study(work: Workload, args) -> dict:
 
 def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
   """The cost model's tokens/s for a run: its tokens over the rounds' modelled seconds plus its
-  measured refills (prefills). The rounds run at the round table's rate at the tokens they verify
-  (busy rows = occupancy × c, times verify tokens per row) and make busy rows × τ tokens each.
-  None without a table (plain decoding)."""
+  measured refills (prefills) and host work between chunks. The rounds run at the round table's
+  rate at the tokens they verify (busy rows = occupancy × c, times verify tokens per row) and make
+  busy rows × τ tokens each. None without a table (plain decoding)."""
   if table is None:
     return None
   rows = max(r["occupancy"] * concurrency, 1e-9)
   tokens = int(np.clip(round(rows * r["verify_tokens"]), 1, len(table) - 1))
   rounds_s = r["tokens"] / (rows * r["tau"] * float(table[tokens]))
-  return r["tokens"] / (rounds_s + r.get("refill_s", 0.0))
+  return r["tokens"] / (rounds_s + r.get("refill_s", 0.0) + r.get("host_s", 0.0))
 
 
 class SharedSchedules:

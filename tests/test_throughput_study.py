@@ -100,14 +100,16 @@ def test_output_lengths_follow_the_stated_law():
 def test_the_cost_model_counts_busy_rows_their_verify_tokens_and_tau():
   # 16 slots at occupancy 0.5: 8 busy rows verifying 3 tokens each = 24 tokens, whose round rate
   # in the table is 50/s; τ 2.5: 8 · 2.5 · 50 = 1000 tokens/s while rounds run, so 2000 tokens
-  # take 2 s of rounds; with 0.5 s of measured refills, 2000 / 2.5 = 800 tokens/s. No table
-  # (plain decoding): None.
+  # take 2 s of rounds; with 0.5 s of measured refills, 2000 / 2.5 = 800 tokens/s, and with 0.5 s
+  # of host work besides, 2000 / 3 tokens/s. No table (plain decoding): None.
   table = np.zeros(129)
   table[1:] = 100.0
   table[17:] = 50.0
   run = {"occupancy": 0.5, "verify_tokens": 3.0, "tau": 2.5, "tokens": 2000}
   assert bench_serving.model_tokens_per_s(run, 16, table) == pytest.approx(1000.0)
   assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5), 16, table) == pytest.approx(800.0)
+  assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5, host_s=0.5), 16,
+                                          table) == pytest.approx(2000 / 3)
   assert bench_serving.model_tokens_per_s(run, 16, None) is None
   assert bench_serving.parse_args(["--small"]).schedules == ["plain", "fixed", "top_k"]
   assert bench_serving.parse_args(["--prompt-lengths", "128,1024"]).prompt_lengths == [128, 1024]
