@@ -220,8 +220,8 @@ def test_draft_noise_reused_across_rounds_breaks_a_lagged_budget():
   # noise an earlier round used for its (unverified) draft at P. The lagged budget read that earlier
   # draft's survival, so the decision to check the new draft at P depends on its own noise.
   # Target: the same law after every token; draft: that law for x_1, another law after; γ = 4, one
-  # row, top_k(lag=1), cliff-like profile; N = 400,000. Fresh keys keep the law (p >= α); reused keys
-  # are rejected (p < 1e-6).
+  # row, top_k(lag=1), cliff-like profile; N = 262,144 (a power of two: no padded rows). Fresh keys
+  # keep the law (p >= α; 0.35 here); reused keys are rejected (p < 1e-6; 4e-24 here).
   p = np.log([0.3, 0.25, 0.2, 0.15, 0.1])
   q = np.log([0.1, 0.1, 0.15, 0.15, 0.5])
   base = np.broadcast_to(q, (VOCAB, 4, VOCAB)).astype(np.float32).copy()
@@ -232,7 +232,7 @@ def test_draft_noise_reused_across_rounds_breaks_a_lagged_budget():
             base, confidence_head())
   law = law_checks.chain_law(toy.table, START, LENGTH)
   schedule = dj.schedules.top_k(np.array([0.0, 1.0, 0.5, 0.34, 0.3, 0.28]), lag=1)
-  tokens, _ = scheduled_decode(toy, schedule, 1, seed=3, n=400_000, fresh_keys=True)
+  tokens, _ = scheduled_decode(toy, schedule, 1, seed=3, n=262_144, fresh_keys=True)
   stats.assert_law(law_checks.outcome_counts(tokens, VOCAB), law, what="fresh keys", threshold=ALPHA)
-  tokens, _ = scheduled_decode(toy, schedule, 1, seed=3, n=400_000, fresh_keys=False)
+  tokens, _ = scheduled_decode(toy, schedule, 1, seed=3, n=262_144, fresh_keys=False)
   stats.assert_rejects(law_checks.outcome_counts(tokens, VOCAB), law, what="reused draft noise")
