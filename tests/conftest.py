@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -51,15 +50,8 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 
 def pytest_collection_modifyitems(config, items):
   """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
-  skipped unless JAX's default backend is a GPU. Files run longest first
-  (`tests/file_seconds.json`, each file's seconds on 2 CPU cores; a file missing there last):
-  pytest-xdist's ``--dist loadfile`` hands whole files to its workers in collection order, so
-  the short ones fill in at the end and both workers finish together. Only the order changes."""
-  with open(os.path.join(os.path.dirname(__file__), "file_seconds.json")) as f:
-    seconds = json.load(f)
-  rank = {id(item): -seconds.get(item.path.relative_to(config.rootpath).as_posix(), 0)
-          for item in items}
-  items.sort(key=lambda item: rank[id(item)])   # stable: a file's own order is kept
+  skipped unless JAX's default backend is a GPU. (Which worker takes which file is pytest-xdist's
+  choice: ``--dist loadfile`` hands out whole files, most tests first.)"""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
