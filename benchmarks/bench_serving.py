@@ -41,8 +41,9 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   row and round, occupancy, the mean time to first token (from the start of the run, queueing
   included), the wall split into chunks, refills (prefills) and the host's work between them,
   the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
-  verify tokens, plus the measured refills and host work; measured / model in the table) and the compilation's
-  seconds apart (the warm-up's and any in the measured runs, which the queue's clock leaves out).
+  verify tokens, plus the measured refills and host work; measured / model in the table) and the
+  compilation's seconds apart (the warm-up's and any in the measured runs, which the queue's
+  clock leaves out).
 
 Each measurement runs once untimed first (warm-up: the programs compile; the queue's clock also
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
