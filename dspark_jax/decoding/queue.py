@@ -108,7 +108,8 @@ class Engine:
     trace: record every iteration's `loop.RoundTrace` per slot (`QueueResult.trace`); speculative
       decoding with no schedule or a stateless one only.
     prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose longest
-      prompt is longer is padded to the slot's capacity, so such refills share one program per K.
+      prompt is longer runs whole passes over its power-of-two length bucket: one program per
+      (K, bucket).
   """
 
   target: tm.TargetModel
