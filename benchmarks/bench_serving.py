@@ -40,6 +40,8 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   prompts of a prompt's tokens over its seconds in a slot, admission to end), τ, verify tokens per
   row and round, occupancy, the mean time to first token (from the start of the run, queueing
   included), the wall split into chunks, refills (prefills) and the host's work between them,
+  tokens/s without the refills that filled the empty slots at the start (``fill_s``: the start-up
+  transient, which a queue in its steady state does not pay),
   the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
   verify tokens, plus the measured refills and host work; measured / model in the table) and the
   compilation's seconds apart (the warm-up's and any in the measured runs, which the queue's
@@ -326,9 +328,11 @@ def queue_stats(out) -> dict:
   per_user = [r.tokens_per_second for r in out.results]
   return {"tokens": int(out.lengths.sum()), "seconds": out.wall_seconds,
           "compile_s": out.compile_seconds, "refill_s": out.refill_seconds,
-          "chunk_s": out.chunk_seconds, "host_s": out.host_seconds,
+          "chunk_s": out.chunk_seconds, "host_s": out.host_seconds, "fill_s": out.fill_seconds,
           "unfinished": sum(r == "unfinished" for r in out.finish_reason),
           "tokens_per_s": out.tokens_per_second, "occupancy": out.occupancy,
+          "steady_tokens_per_s": float(out.lengths.sum()) / max(
+              out.wall_seconds - out.fill_seconds, 1e-12),
           "per_user_tokens_per_s": float(np.mean(per_user)), "tau": out.tau,
           "verify_tokens": out.verify_tokens, "rounds": out.rounds,
           "mean_ttft_s": float(np.mean([r.ttft_seconds for r in out.results]))}
@@ -594,7 +598,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
             f"{'-' if model is None else f'{model:.0f}'}, {r['unfinished']} unfinished, "
             f"wall {r['seconds']:.2f} s = chunks {r['chunk_s']:.2f} + refills "
-            f"{r['refill_s']:.2f} + host {r['host_s']:.2f}, "
+            f"{r['refill_s']:.2f} (filling the slots {r['fill_s']:.2f}) + host {r['host_s']:.2f}; "
+            f"without the fill {r['steady_tokens_per_s']:.0f} tokens/s, "
             f"warm-up {first_s:.1f} s, compiling in all {r['compile_s']:.1f} s "
             f"({', '.join(f'{n} {k}: {t:.0f} s' for n, (k, t) in r['compiled'].items())}) "
             f"[{time.perf_counter() - began:.0f} s]", flush=True)

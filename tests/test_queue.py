@@ -73,6 +73,8 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   # The wall splits into refills, chunks and the host's work between them.
   assert result.refill_seconds > 0 and result.chunk_seconds > 0
   assert result.refill_seconds + result.chunk_seconds <= result.wall_seconds + 1e-9
+  # The first refill fills the empty slots (before any round); the later ones replace rows.
+  assert 0 < result.fill_seconds < result.refill_seconds
   assert result.host_seconds == pytest.approx(
       result.wall_seconds - result.refill_seconds - result.chunk_seconds)
 

@@ -311,7 +311,7 @@ class Engine:
           began = time.perf_counter()
           state, inputs = program(*args)
           jax.block_until_ready(state["anchor"])
-          run.refill_seconds += time.perf_counter() - began
+          run.refilled(time.perf_counter() - began)
           run.admitted(free, taken, resume[:taken.size])
           for i in taken:
             saved.pop(int(i), None)

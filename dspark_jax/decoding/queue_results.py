@@ -90,7 +90,9 @@ class QueueResult:
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
     refill_seconds: of the wall, the refills (prefills of admitted prompts, from launch until
       done); chunk_seconds: the chunks (from launch until the host holds their results). The rest
-      of the wall is the host's own work between them (`host_seconds`).
+      of the wall is the host's own work between them (`host_seconds`). fill_seconds: of the
+      refills, those before the first round (filling the empty slots: the start-up transient,
+      which a queue in its steady state does not pay).
     path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: positions per slot's
       cache (with paged caches: the capacity before rounding to whole pages).
     kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
@@ -126,6 +128,7 @@ class QueueResult:
   trace: Any = None
   refill_seconds: float = 0.0
   chunk_seconds: float = 0.0
+  fill_seconds: float = 0.0
 
   @property
   def host_seconds(self) -> float:
@@ -207,7 +210,7 @@ class _Run:
     self.results: list[PromptResult | None] = [None] * count
     self.start = time.perf_counter()
     self.compile_seconds = 0.0
-    self.refill_seconds = self.chunk_seconds = 0.0
+    self.refill_seconds = self.chunk_seconds = self.fill_seconds = 0.0
     self.admit_at = np.zeros(count)
     self.preempted = np.zeros(count, np.int64)
     self.first_at = np.zeros(count)
@@ -222,6 +225,12 @@ class _Run:
 
   def compile(self, seconds: float):
     self.compile_seconds += seconds
+
+  def refilled(self, seconds: float):
+    """A refill took `seconds`; before the first round it fills the empty slots."""
+    self.refill_seconds += seconds
+    if self.rounds == 0:
+      self.fill_seconds += seconds
 
   def admitted(self, slots, prompts, resumed):
     """`prompts` took `slots`; a `resumed` one (preempted before) keeps its first times."""
@@ -291,5 +300,6 @@ class _Run:
         preemptions=0 if pages is None else pages.preemptions,
         queued_rounds=self.queued_rounds, queued_busy_slot_rounds=self.queued_busy,
         refill_seconds=self.refill_seconds, chunk_seconds=self.chunk_seconds,
+        fill_seconds=self.fill_seconds,
         trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
                                  for k in self.traces[0]}) if self.traces else None)
