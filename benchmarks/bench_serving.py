@@ -30,7 +30,8 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   through c slots (``--kv paged``: in one page pool), under each of ``--schedules``: ``plain``
   (no speculation), ``fixed``, ``threshold`` (``--threshold``), ``top_k`` and ``prefix`` with the
   round table ``dj.profile_sps(target, draft, batch_size=c, draft_cost=True)`` measured at that c
-  (at the mean prompt length + LO as context; the schedules pack into its buckets). ``fixed``
+  (at `steady_context`, the mean context of a running row in the steady state; the schedules
+  pack into its buckets). ``fixed``
   and the schedules run as options of one compiled program (`SharedSchedules`; ``fixed`` packs
   every row's γ + 1 tokens into the largest bucket, the dense verify's tokens), ``plain`` in its
   own. Each run measures the **steady state**: it ends when the slots stop being saturated (the
@@ -514,6 +515,15 @@ def compile_summary(log: list[tuple[str, float]]) -> dict[str, tuple[int, float]
   return out
 
 
+def steady_context(prompt_lens, budgets) -> int:
+  """The mean context a busy slot's row has in the steady state: its prompt plus the tokens it
+  has made so far. A slot spends time in proportion to each row's length L, and a row is on
+  average halfway through, so the second part is E[L²] / (2 E[L]) (log-uniform 64..2048: about
+  530, against a mean length of about 570)."""
+  lengths = np.asarray(budgets, np.float64)
+  return int(round(np.mean(prompt_lens) + np.mean(lengths ** 2) / (2 * np.mean(lengths))))
+
+
 def warm_budgets(budgets: np.ndarray, gamma: int, rounds_per_call: int) -> np.ndarray:
   """The warm-up's output lengths: short enough to finish in a few chunks, long enough that the
   chunk program runs after refills (so it and the refills compile)."""
@@ -541,7 +551,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
     if any(s != "plain" for s in args.schedules):
       # The round table (verify + draft forward, the paper's engine steps): the schedules'
       # table and the cost model of every speculative run.
-      context = int(np.mean([len(p) for p in prompts])) + low
+      context = steady_context([len(p) for p in prompts], budgets)
       start = time.perf_counter()
       profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
                                repeats=args.repeats, steps=4, draft_cost=True)

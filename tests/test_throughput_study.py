@@ -111,6 +111,11 @@ def test_the_cost_model_counts_busy_rows_their_verify_tokens_and_tau():
   assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5, host_s=0.5), 16,
                                           table) == pytest.approx(2000 / 3)
   assert bench_serving.model_tokens_per_s(run, 16, None) is None
+  # The table's context: a busy row's mean prompt + made tokens in the steady state, E[L²]/(2E[L])
+  # (equal rows: halfway; rows of 100 and 300 tokens: a slot holds the long one 3/4 of the time,
+  # 125 in on average).
+  assert bench_serving.steady_context([10, 30], [8, 8]) == 24
+  assert bench_serving.steady_context([100], [100, 300]) == 100 + round(50_000 / 400)
   assert bench_serving.parse_args(["--small"]).schedules == ["plain", "fixed", "top_k"]
   assert bench_serving.parse_args(["--prompt-lengths", "128,1024"]).prompt_lengths == [128, 1024]
   with pytest.raises(SystemExit):
