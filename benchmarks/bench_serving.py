@@ -183,8 +183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "skipped cells are listed; default: no limit)")
   parser.add_argument("--prefill-chunk", type=int, default=None,
                       help="throughput study: the engines' prompt positions per prefill pass "
-                           "(`dj.Engine.prefill_chunk`; default its own, 512): a refill whose "
-                           "longest prompt is longer runs whole passes over its length bucket")
+                           "(`dj.Engine.prefill_chunk`; default its own, 512): a refill of longer "
+                           "prompts runs whole passes, one program per row count")
   parser.add_argument("--compilation-cache", default=None, metavar="DIR",
                       help="JAX's persistent compilation cache directory: programs compiled by "
                            "an earlier run with the same shapes load from it (docs/serving.md)")

@@ -322,19 +322,20 @@ def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch,
 
 
 def test_a_refill_pads_its_prompts_to_whole_prefill_passes():
-  # T = the power-of-two bucket of the longest prompt (at least 8), rounded up to whole passes of
-  # `chunk` once over it (one pass body per refill program, no partial last pass), at most the
-  # slot's capacity; each row keeps its own tokens and length.
+  # T = the power-of-two bucket of the longest prompt (at least 8, at most the slot's capacity);
+  # where that is over `chunk`, the most whole passes of `chunk` the capacity holds (one program
+  # per K, one pass body), or the capacity itself when the longest reaches past them. Each row
+  # keeps its own tokens and length.
   from dspark_jax.decoding import slots
   lens = np.array([3, 9, 33])
   padded = np.zeros((3, 40), np.int32)
   for i, n in enumerate(lens):
     padded[i, :n] = np.arange(1, n + 1)
-  for rows, cache_len, chunk, width in (([0], 100, None, 8), ([0], 100, 4, 8), ([1], 100, 12, 24),
-                                        ([0, 1], 100, 16, 16), ([2], 40, 12, 40),
-                                        ([2], 100, 512, 64)):
+  for rows, cache_len, chunk, width in (([0], 100, None, 8), ([0], 100, 8, 8), ([0], 100, 4, 100),
+                                        ([1], 100, 12, 96), ([0, 1], 100, 16, 16),
+                                        ([2], 40, 12, 36), ([2], 34, 12, 34), ([2], 100, 512, 64)):
     group, group_lens = slots._group_prompts(padded, lens, np.array(rows), {}, cache_len, chunk)
-    assert group.shape == (len(rows), width), (rows, chunk)
+    assert group.shape == (len(rows), width), (rows, cache_len, chunk)
     np.testing.assert_array_equal(group_lens, lens[rows])
     for r, i in enumerate(rows):
       np.testing.assert_array_equal(group[r, :lens[i]], padded[i, :lens[i]])

@@ -107,9 +107,9 @@ class Engine:
     mode, memory_stats, headroom_bytes, store_logits, backend, config: as in `generate`.
     trace: record every iteration's `loop.RoundTrace` per slot (`QueueResult.trace`); speculative
       decoding with no schedule or a stateless one only.
-    prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose longest
-      prompt is longer runs whole passes over its power-of-two length bucket: one program per
-      (K, bucket).
+    prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose prompts'
+      bucket is longer is padded to the most whole passes a slot holds (its passes stop after the
+      longest row), so such refills share one program per K.
   """
 
   target: tm.TargetModel

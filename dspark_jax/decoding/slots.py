@@ -7,8 +7,8 @@ This module owns the device side of `decoding.queue.Engine` and the host arrays 
   fresh; the caches (`CACHE_KEYS`) are written only through `SlotCaches`;
 * the *refill* (`_refill_program`): prefills K new prompts (right-padded to a length bucket T, K a
   power of two up to S, so one program per (K, T) bucket and never one per prompt length; a group
-  with a prompt over ``prefill_chunk`` positions is prefilled in whole passes of that many:
-  `_group_prompts`) with the
+  wider than ``prefill_chunk`` positions is padded to the most whole passes of that many a slot
+  holds, so all such groups of K rows share one program: `_group_prompts`) with the
   same `rounds._prefill` as `generate`, and writes their rows into the chosen slots (`SlotCaches`
   for the caches, a scatter for every other per-row array: tokens, counts, flags, per-row sampling
   parameters, budgets, stop ids and sequences); a resumed (preempted) row takes its saved state
@@ -156,9 +156,11 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *,
 def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
   """The [K, T] tokens and [K] lengths a refill prefills: each prompt, or for a resumed one its
   prompt and committed tokens but the last (its anchor), right-padded to a length bucket T: the
-  power of two at least the longest (and `MIN_BUCKET`), rounded up to whole passes of `chunk` when
-  over it, at most `cache_len`. Whole passes leave the program one pass body to compile (a partial
-  last pass would be a second copy of the forward at another width)."""
+  power of two at least the longest (and `MIN_BUCKET`), at most `cache_len`. Where that is over
+  `chunk`, T is the most whole passes of `chunk` a slot holds instead: a chunked prefill's passes
+  follow the longest row, so the padding costs nothing, every such refill of K rows is one
+  program, and that program compiles one pass body (a partial last pass, needed only when the
+  longest row reaches past the whole passes, would be a second copy of the forward)."""
   rows, row_lens = [], []
   for i in (int(i) for i in index):
     tokens = padded[i, :lens[i]]
@@ -167,10 +169,11 @@ def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
       tokens = np.concatenate([tokens, np.asarray(saved[i]["out"][:count - 1], np.int32)])
     rows.append(tokens)
     row_lens.append(tokens.size)
-  width = bucket(max(row_lens), MIN_BUCKET)
+  longest = max(row_lens)
+  width = min(bucket(longest, MIN_BUCKET), cache_len)
   if chunk is not None and width > chunk:
-    width = -(-width // chunk) * chunk
-  width = min(width, cache_len)
+    whole = cache_len // chunk * chunk
+    width = whole if longest <= whole else cache_len
   group = np.zeros((len(rows), width), np.int32)
   for r, tokens in enumerate(rows):
     group[r, :tokens.size] = tokens
