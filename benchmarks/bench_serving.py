@@ -111,6 +111,13 @@ def refill_at(args, slots: int) -> int:
   return max(1, slots // 32) if args.refill_at == "auto" else args.refill_at
 
 
+def refill_rows(args, slots: int) -> int | None:
+  """The engine's `refill_rows` at `slots` slots (``--refill-rows``; 'auto': its `refill_at`)."""
+  if args.refill_rows == "auto":
+    return min(refill_at(args, slots), slots)
+  return None if args.refill_rows is None else min(args.refill_rows, slots)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shipped", action="store_true",
@@ -172,6 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "(`dj.Engine.refill_at`, default 1); 'auto': c // 32 slots at "
                            "concurrency c (at least 1; fewer host round trips and refill sizes "
                            "at high concurrency, about 1.5 %% of the slots idle while waiting)")
+  parser.add_argument("--refill-rows", type=_refill_at, default=None,
+                      help="throughput study: rows per refill program (`dj.Engine.refill_rows`; "
+                           "default: one refill of the admitted count's bucket); 'auto': the "
+                           "engine's refill_at, so each engine compiles one refill program")
   parser.add_argument("--rounds-per-call", type=int, default=16,
                       help="iterations per chunk at most (`dj.Engine.rounds_per_call`, default 16)")
   parser.add_argument("--headroom-gib", type=float, default=16.0,
@@ -574,7 +585,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
       if name == "plain":
         engines[name] = dj.Engine(work.target, None, max_batch_size=c,
                                   max_seq_len=work.max_seq_len, spec=False,
-                                  refill_at=refill_at(args, c), **prefill,
+                                  refill_at=refill_at(args, c),
+                                  refill_rows=refill_rows(args, c), **prefill,
                                   rounds_per_call=args.rounds_per_call, kv=args.kv,
                                   headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines[name]
@@ -583,7 +595,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
         if "shared" not in engines:
           engines["shared"] = dj.Engine(work.target, work.draft, max_batch_size=c,
                                         max_seq_len=work.max_seq_len, schedule=shared_schedule,
-                                        refill_at=refill_at(args, c), **prefill,
+                                        refill_at=refill_at(args, c),
+                                        refill_rows=refill_rows(args, c), **prefill,
                                         rounds_per_call=args.rounds_per_call, kv=args.kv,
                                         headroom_bytes=int(args.headroom_gib * 2**30))
         engine = engines["shared"]
@@ -632,7 +645,8 @@ def main(argv=None) -> int:
                               length_law="log-uniform", seed=args.seed, slots=args.slots,
                               concurrency=args.concurrency, schedules=args.schedules,
                               temperature=args.temperature, per_slot=args.per_slot,
-                              refill_at=args.refill_at, rounds_per_call=args.rounds_per_call,
+                              refill_at=args.refill_at, refill_rows=args.refill_rows,
+                              rounds_per_call=args.rounds_per_call,
                               compilation_cache=args.compilation_cache)
   work = Workload(args)
   results: dict = {"pair": work.name}

@@ -340,3 +340,28 @@ def test_a_refill_pads_its_prompts_to_whole_prefill_passes():
     for r, i in enumerate(rows):
       np.testing.assert_array_equal(group[r, :lens[i]], padded[i, :lens[i]])
       assert not group[r, lens[i]:].any()
+
+
+def test_refills_of_a_fixed_row_count_decode_the_same_tokens_in_one_program(pair):
+  # refill_rows=2 over 4 slots: the first boundary admits 4 prompts as two refills of 2, later
+  # ones 1 or 2 (padded to 2). Every prompt's tokens and counts equal the fixed batch's (rows'
+  # draws depend on (key, seed, position) only, not on which refill took them), and the engine
+  # compiled one refill program (the prompts share one length bucket).
+  from dspark_jax.decoding import compile_cache
+  target, draft = pair
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  engine = dj.Engine(target, draft, max_batch_size=4, refill_rows=2, rounds_per_call=2)
+  logged = len(compile_cache.compile_log())
+  result = engine.generate(PROMPTS, params, jax.random.key(5), max_new_tokens=BUDGETS,
+                           stop_token_ids=[STOP])
+  refills = [n for n, _ in compile_cache.compile_log()[logged:] if "refill" in n]
+  fixed = dj.generate(target, draft, PROMPTS, params, jax.random.key(5), max_new_tokens=BUDGETS,
+                      stop_token_ids=[STOP])
+  np.testing.assert_array_equal(result.tokens, fixed.tokens)
+  np.testing.assert_array_equal(result.row_accepted, fixed.row_accepted)
+  assert result.finish_reason == fixed.finish_reason
+  assert len(refills) <= 1 and 0 < result.fill_seconds < result.refill_seconds
+  for bad, match in ((0, "^refill_rows: must be an integer >= 1"),
+                     (5, "^refill_rows: 5 is more than the 4 slots")):
+    with pytest.raises(ValueError, match=match):
+      dj.Engine(target, draft, max_batch_size=4, refill_rows=bad)

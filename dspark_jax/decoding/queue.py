@@ -96,6 +96,10 @@ class Engine:
     rounds_per_call: R, iterations a chunk runs at most between two host boundaries.
     refill_at: a chunk returns to the host once this many slots are free (fewer while the queue
       holds fewer prompts); larger values refill in bigger groups, less often.
+    refill_rows: None (default): the prompts admitted at a boundary are prefilled by one refill
+      of their count's power-of-two bucket (one program per bucket met, up to S rows). An int
+      (1..S): by refills of exactly this many rows each, the last padded: one refill program in
+      all (per prompt-length bucket), at the cost of the padded rows' prefill.
     kv: the slots' caches: "contiguous" (default; every slot holds its whole capacity) or "paged"
       (pages of one pool per layer, shared by the target and the draft's context through one
       block table, handed out as rows grow: docs/serving.md, "Paged caches").
@@ -120,6 +124,7 @@ class Engine:
   schedule: Any = None
   rounds_per_call: int = 16
   refill_at: int = 1
+  refill_rows: int | None = None
   kv: str = "contiguous"
   num_pages: int | None = None
   page_size: int = paging.DEFAULT_PAGE_SIZE
@@ -136,6 +141,11 @@ class Engine:
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
     self.rounds_per_call = _check_positive("rounds_per_call", self.rounds_per_call)
     self.refill_at = _check_positive("refill_at", self.refill_at)
+    if self.refill_rows is not None:
+      self.refill_rows = _check_positive("refill_rows", self.refill_rows)
+      if self.refill_rows > self.max_batch_size:
+        raise ValueError(f"refill_rows: {self.refill_rows} is more than the "
+                         f"{self.max_batch_size} slots (max_batch_size)")
     self.prefill_chunk = loop.check_prefill_chunk(self.prefill_chunk)
     if self.max_seq_len is not None:
       self.max_seq_len = _check_positive("max_seq_len", self.max_seq_len)
@@ -292,27 +302,30 @@ class Engine:
         if free.size:
           taken = np.array([queue.popleft() for _ in free])
           owner[free] = taken
-          k = bucket(taken.size)
-          index = np.concatenate([taken, np.full(k - taken.size, taken[0])])
-          where = np.concatenate([free, np.full(k - taken.size, slots_n)]).astype(np.int32)
-          group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
-                                             self.prefill_chunk)
-          resume = np.array([int(i) in saved for i in index])
-          row_state = None
-          if pages is not None:
-            row_state = _saved_rows(index, saved, state, light_keys)
-            state.update(pages.with_table(state))
-          args = (*models, state, inputs, group, group_lens,
-                  jax.tree.map(lambda x: x[index], all_inputs), where, key,
-                  None if pages is None else pages.table(), row_state, resume)
-          program, seconds = compile_cache.compiled(_refill_program, args, refill_statics,
-                                                    donate=(2, 3))
-          run.compile(seconds)
-          began = time.perf_counter()
-          state, inputs = program(*args)
-          jax.block_until_ready(state["anchor"])
-          run.refilled(time.perf_counter() - began)
-          run.admitted(free, taken, resume[:taken.size])
+          size = self.refill_rows or bucket(taken.size)
+          for start in range(0, taken.size, size):   # one refill, or refills of refill_rows
+            rows, slots = taken[start:start + size], free[start:start + size]
+            k = self.refill_rows or bucket(rows.size)
+            index = np.concatenate([rows, np.full(k - rows.size, rows[0])])
+            where = np.concatenate([slots, np.full(k - rows.size, slots_n)]).astype(np.int32)
+            group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
+                                               self.prefill_chunk)
+            resume = np.array([int(i) in saved for i in index])
+            row_state = None
+            if pages is not None:
+              row_state = _saved_rows(index, saved, state, light_keys)
+              state.update(pages.with_table(state))
+            args = (*models, state, inputs, group, group_lens,
+                    jax.tree.map(lambda x: x[index], all_inputs), where, key,
+                    None if pages is None else pages.table(), row_state, resume)
+            program, seconds = compile_cache.compiled(_refill_program, args, refill_statics,
+                                                      donate=(2, 3))
+            run.compile(seconds)
+            began = time.perf_counter()
+            state, inputs = program(*args)
+            jax.block_until_ready(state["anchor"])
+            run.refilled(time.perf_counter() - began)
+            run.admitted(slots, rows, resume[:rows.size])
           for i in taken:
             saved.pop(int(i), None)
         if pages is not None:

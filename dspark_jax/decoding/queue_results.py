@@ -91,7 +91,7 @@ class QueueResult:
     refill_seconds: of the wall, the refills (prefills of admitted prompts, from launch until
       done); chunk_seconds: the chunks (from launch until the host holds their results). The rest
       of the wall is the host's own work between them (`host_seconds`). fill_seconds: of the
-      refills, those before the first round (filling the empty slots: the start-up transient,
+      refills, those before the first chunk (filling the empty slots: the start-up transient,
       which a queue in its steady state does not pay).
     path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: positions per slot's
       cache (with paged caches: the capacity before rounding to whole pages).
@@ -214,7 +214,7 @@ class _Run:
     self.admit_at = np.zeros(count)
     self.preempted = np.zeros(count, np.int64)
     self.first_at = np.zeros(count)
-    self.rounds = self.busy = 0
+    self.rounds = self.busy = self.chunks = 0
     self.queued_rounds = self.queued_busy = 0
     self.pages_peak = self.page_rounds = 0
     self.traces: list[dict] = []
@@ -227,9 +227,9 @@ class _Run:
     self.compile_seconds += seconds
 
   def refilled(self, seconds: float):
-    """A refill took `seconds`; before the first round it fills the empty slots."""
+    """A refill took `seconds`; before the first chunk it fills the empty slots."""
     self.refill_seconds += seconds
-    if self.rounds == 0:
+    if self.chunks == 0:
       self.fill_seconds += seconds
 
   def admitted(self, slots, prompts, resumed):
@@ -242,6 +242,7 @@ class _Run:
     """A chunk ran `iterations` with `busy` busy slot-iterations and `pages` pages in use, having
     started with prompts waiting (`queued`) or not."""
     self.rounds += iterations
+    self.chunks += 1
     self.busy += busy
     if queued:
       self.queued_rounds += iterations
