@@ -7,7 +7,7 @@ of ``--contexts`` (1024, 4096) and batch size of ``--batches`` (1, 16, 64, 128),
 (even rows greedy, odd rows T = 0.8; B = 1: one sampled row).
 
 Per (context, B) it times (`benchmarks.harness`: arguments on the device, median of ``--repeats``
-samples after ``--warmup`` calls) the parts of ``--parts`` (default all):
+samples after ``--warmup`` calls) the parts of ``--parts``:
 
 * parts without a cache write, side by side, 5 back-to-back calls per sample: the draft forward
   (context-attending block pass -> base logits [B, γ, V] and hidden states), block sampling (the
@@ -19,6 +19,10 @@ samples after ``--warmup`` calls) the parts of ``--parts`` (default all):
   context update (the draft's context K/V), the full round (the loop body as one program), and one
   autoregressive step. Each part builds its caches in its first call and drops them before the
   next part starts, so no two target caches are alive at once (B = 128 at context 4096: 78 GB).
+* on request only (not in the default ``--parts``), the packed round: the full round with every
+  row verifying γ + 1 through the scheduled verify (`schedules.fixed()`: `packing.packed_verify`'s
+  `lax.switch` over the token buckets of B rows, taking the dense one), as `fixed` runs in the
+  serving sweep's shared program.
 
 A part that fails (e.g. out of memory) is reported as such and the others still run.
 
@@ -26,7 +30,7 @@ Floors: the larger of a bytes floor (what must be read once, at `harness.floor_b
 compute floor (2 FLOPs per parameter per token at this run's bf16 matrix rate,
 `harness.matmul_rate`). Bytes: AR step and target verify: the target's weights and its KV cache
 over the context; draft forward: the draft's layers, the shared LM head and the draft's context
-K/V; block sampling: ``γ·(r·V + 2·B·V)·itemsize``; full round: those three together. Parameters:
+K/V; block sampling: ``γ·(r·V + 2·B·V)·itemsize``; full and packed round: those three together. Parameters:
 the target's (AR step: B tokens; verify: B·(γ+1)); the draft's layers and the LM head (B·γ
 tokens); W2 for block sampling (B·γ tokens); the full round: the sum of its three parts.
 Attention's own FLOPs over the context are not counted, so the compute floor is a lower bound.
@@ -80,15 +84,18 @@ from dspark_jax.models import layers
 from dspark_jax.models import target as tm
 from dspark_jax.parallel import layout
 from dspark_jax.parallel import placement
+from dspark_jax.scheduling import schedules
 
 TAUS = (1.0, 2.0, 3.64, 6.11)  # 3.64 / 6.11: the paper's MT-Bench / GSM8K τ for Qwen3-4B
 LOOP = 10
 PART_CALLS = 5
 DIRECT = ("draft forward", "block sampling", "accept/commit")
-LOOPED = ("target verify", "context update", "full round", "autoregressive step")
+LOOPED = ("target verify", "context update", "full round", "packed round", "autoregressive step")
 PARTS = ("autoregressive step", "target verify", "draft forward", "block sampling",
-         "accept/commit", "context update", "full round")
-FLOORED = ("autoregressive step", "target verify", "draft forward", "block sampling", "full round")
+         "accept/commit", "context update", "full round", "packed round")
+DEFAULT_PARTS = PARTS[:-1]
+FLOORED = ("autoregressive step", "target verify", "draft forward", "block sampling", "full round",
+           "packed round")
 MEM_FRACTION = "0.92"
 
 
@@ -110,8 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="comma list of cache sizes in slots, apart from the context (default: "
                       "context + 2(γ + 1) rounded up to 64 slots, as generate allocates); e.g. 136,8200 at context 128 times the "
                       "padding cost: a step over a cache far larger than its rows' context")
-  parser.add_argument("--parts", type=part_list, default=list(PARTS),
-                      help=f"comma list of the parts to time (default all: {', '.join(PARTS)})")
+  parser.add_argument("--parts", type=part_list, default=list(DEFAULT_PARTS),
+                      help=f"comma list of the parts to time (default {', '.join(DEFAULT_PARTS)}; "
+                      "also: packed round)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--e2e-batch", type=int, default=0,
                       help="rows of an end-to-end generate run at the first context (default 0: "
@@ -228,6 +236,7 @@ def part_costs(target, draft, batch: int, context: int) -> dict[str, tuple[float
            "block sampling": (sampling_bytes, 2 * w2.size * batch * gamma)}
   costs["full round"] = tuple(sum(costs[n][i] for n in ("target verify", "draft forward",
                                                         "block sampling")) for i in (0, 1))
+  costs["packed round"] = costs["full round"]
   return costs
 
 
@@ -395,6 +404,14 @@ def round_parts(target, draft, batch: int, context: int, args, capacity: int | N
                                       head=w[2], backend=choice)
     return dict(new, **reset)
 
+  packed = schedules.fixed()  # every row verifies γ + 1, through the scheduled (packed) verify
+
+  def packed_body(w, state):
+    target, draft = merge_t(w[0]), merge_d(w[1])
+    new = decoding._speculative_round(target, draft, state, max_new, rows, stop_ids, key, False,
+                                      head=w[2], backend=choice, schedule=packed)
+    return dict(new, **reset)
+
   def ar_body(w, state):
     new = decoding._autoregressive_step(merge_t(w), state, max_new, rows, stop_ids, key)
     return dict(new, **reset)
@@ -410,6 +427,12 @@ def round_parts(target, draft, batch: int, context: int, args, capacity: int | N
           round_body, (t_state, d_state, head),
           lambda: dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
                        context=draft.init_context(batch, cache_len))),
+      "packed round": lambda: looped(
+          packed_body, (t_state, d_state, head),
+          lambda: dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
+                       context=draft.init_context(batch, cache_len),
+                       schedule=packed.init(batch, gamma),
+                       row_verified=jnp.zeros((batch,), jnp.int32))),
       "autoregressive step": lambda: looped(
           ar_body, t_state,
           lambda: dict({k: v for k, v in small_state().items() if k in ar_keys},

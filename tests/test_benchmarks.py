@@ -47,12 +47,15 @@ def test_decode_benchmark_prints_its_table(tmp_path, capsys, monkeypatch):
   hf_doc = {"results": [{"context": 32, "batch": 2, "static": {"seconds": 0.004,
                                                               "compiled": False}}]}
   monkeypatch.setattr(bench_decode, "run_hf", lambda args: hf_doc)
-  saved, header, rows = run_and_read_table(bench_decode, "bench_decode (", FAST + ["--hf"],
+  every_part = ["--parts", ",".join(bench_decode.PARTS)]   # the packed round only on request
+  saved, header, rows = run_and_read_table(bench_decode, "bench_decode (",
+                                           FAST + ["--hf"] + every_part,
                                            tmp_path / "results.json", capsys)
   rounds = saved["results"]["rounds"]
   assert list(rounds) == ["32/48/2"]   # context 32 in a cache of 32 + 2(γ + 1) slots
   assert rounds["32/48/2"]["errors"] == {}
   assert set(rounds["32/48/2"]["seconds"]) == set(bench_decode.PARTS)
+  assert all(rounds["32/48/2"]["seconds"][name] > 0 for name in ("full round", "packed round"))
   assert set(rounds["32/48/2"]["floors"]) == set(bench_decode.FLOORED)
   assert saved["meta"]["matmul_tflops"] > 0
   assert saved["results"]["e2e"] == {} and saved["results"]["hf"] == hf_doc
@@ -66,6 +69,8 @@ def test_decode_parts_and_contexts_are_checked():
   args = bench_decode.parse_args(["--small", "--parts", "full round,target verify",
                                   "--contexts", "16,32"])
   assert args.parts == ["target verify", "full round"] and args.contexts == [16, 32]
+  assert bench_decode.parse_args([]).parts == list(bench_decode.DEFAULT_PARTS)
+  assert "packed round" in bench_decode.PARTS and "packed round" not in bench_decode.DEFAULT_PARTS
   assert bench_decode.parse_args(["--context", "64"]).contexts == [64]
   assert bench_decode.parse_args([]).contexts == [1024, 4096]
   assert bench_decode.parse_args([]).batches == [1, 16, 64, 128]
