@@ -51,7 +51,7 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 def pytest_collection_modifyitems(config, items):
   """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
   skipped unless JAX's default backend is a GPU. (Which worker takes which file is pytest-xdist's
-  choice: ``--dist worksteal`` splits the tests in file order and balances by stealing.)"""
+  choice: ``--dist loadfile`` hands out whole files, most tests first.)"""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
