@@ -57,6 +57,7 @@ unless set) instead of JAX's default 75 %: B = 128 at context 4096 needs about 1
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -398,19 +399,17 @@ def round_parts(target, draft, batch: int, context: int, args, capacity: int | N
   reset = dict(anchor_pos=np.asarray(anchor_pos), count=np.zeros((batch,), np.int32),
                rounds=np.int32(0))  # host constants: never donated
 
-  def round_body(w, state):
-    target, draft = merge_t(w[0]), merge_d(w[1])
-    new = decoding._speculative_round(target, draft, state, max_new, rows, stop_ids, key, False,
-                                      head=w[2], backend=choice)
-    return dict(new, **reset)
-
   packed = schedules.fixed()  # every row verifies γ + 1, through the scheduled (packed) verify
 
-  def packed_body(w, state):
+  def round_body(w, state, schedule=None):
     target, draft = merge_t(w[0]), merge_d(w[1])
     new = decoding._speculative_round(target, draft, state, max_new, rows, stop_ids, key, False,
-                                      head=w[2], backend=choice, schedule=packed)
+                                      head=w[2], backend=choice, schedule=schedule)
     return dict(new, **reset)
+
+  def round_state():
+    return dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
+                context=draft.init_context(batch, cache_len))
 
   def ar_body(w, state):
     new = decoding._autoregressive_step(merge_t(w), state, max_new, rows, stop_ids, key)
@@ -423,15 +422,10 @@ def round_parts(target, draft, batch: int, context: int, args, capacity: int | N
           lambda: (tm.init_cache(target.config, batch, cache_len), jnp.int32(0))),
       "context update": lambda: looped(
           context_body, d_state, lambda: draft.init_context(batch, cache_len)),
-      "full round": lambda: looped(
-          round_body, (t_state, d_state, head),
-          lambda: dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
-                       context=draft.init_context(batch, cache_len))),
+      "full round": lambda: looped(round_body, (t_state, d_state, head), round_state),
       "packed round": lambda: looped(
-          packed_body, (t_state, d_state, head),
-          lambda: dict(small_state(), cache=tm.init_cache(target.config, batch, cache_len),
-                       context=draft.init_context(batch, cache_len),
-                       schedule=packed.init(batch, gamma),
+          functools.partial(round_body, schedule=packed), (t_state, d_state, head),
+          lambda: dict(round_state(), schedule=packed.init(batch, gamma),
                        row_verified=jnp.zeros((batch,), jnp.int32))),
       "autoregressive step": lambda: looped(
           ar_body, t_state,
