@@ -41,6 +41,14 @@ if os.environ.get("DSPARK_TEST_GPU") != "1" and "xla_cpu_use_fusion_emitters" no
                           env=dict(os.environ, XLA_FLAGS=_EMITTERS, JAX_PLATFORMS="cpu"))
   if _probe.returncode == 0:
     os.environ["XLA_FLAGS"] += " " + _EMITTERS
+# Each pytest-xdist worker runs XLA's CPU programs on one thread. The test programs are tiny: with
+# Eigen's thread pool in every worker, the workers' threads outnumber the cores and the pool's
+# hand-offs cost more than they save (tests/test_verification_law.py with tests/test_sampling.py on
+# 2 workers, 2 cores: 88 s with the pool, 50 s without). Programs compare alike: every one, the
+# notebooks' and the CLI's included (they inherit the variable), runs single-threaded.
+if os.environ.get("DSPARK_TEST_GPU") != "1" and "xla_cpu_multi_thread_eigen" not in \
+    os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 # The backend a test asks for, not one forced from the environment (tests that need the variable
 # set it themselves); likewise the memory gate's mode and the attention implementation.
 os.environ.pop("DSPARK_JAX_BACKEND", None)
