@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from dspark_jax.apps.calibration_study import Calibration
@@ -200,7 +201,7 @@ def plot_serving(document, path: str | os.PathLike, *, title: str | None = None)
   if title is None and isinstance(document, Mapping):
     meta = document.get("meta", {})
     title = f"{document.get('results', {}).get('pair', '')} on {meta.get('device_kind', '?')}"
-  ax.set_title(title or "serving throughput", fontsize=9)
+  fig.suptitle(textwrap.fill(title or "serving throughput", 140), fontsize=9)
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize=7)
   return _save(fig, path)
