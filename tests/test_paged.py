@@ -282,6 +282,50 @@ def test_grow_preempts_the_newest_rows_and_every_other_row_gets_its_pages():
     assert alloc.free_pages + sum(alloc.held(s) for s in range(4)) == 12
 
 
+def _grow_one_row_at_a_time(alloc, wants):
+  """`PageAllocator.grow`'s policy written row by row: rows sorted oldest first; while the pages
+  missing exceed the free ones, release the newest; then `reserve` each kept row, oldest first."""
+  running = sorted((s for s in range(len(wants)) if alloc.held(s) or wants[s]),
+                   key=lambda s: alloc._order[s])
+  short = lambda: sum(max(-(-int(wants[s]) // alloc.page_size) - alloc.held(s), 0)
+                      for s in running) - alloc.free_pages
+  preempted = []
+  while running and short() > 0:
+    preempted.append(running.pop())
+    alloc.release(preempted[-1])
+  for slot in running:
+    assert alloc.reserve(slot, int(wants[slot]))
+  return preempted
+
+
+def test_grow_hands_out_the_pages_that_reserving_row_by_row_would():
+  # Two allocators in lockstep on a random workload under page pressure (24 slots, 60 pages of
+  # 16): `grow` and the row-by-row policy preempt the same rows and leave the same block table,
+  # lengths and free list (so the pages every row reads are the same).
+  rng = np.random.default_rng(7)
+  fast, slow = (allocator.PageAllocator(num_pages=60, page_size=16, slots=24, max_pages=10)
+                for _ in range(2))
+  wants = np.zeros(24, np.int64)
+  preemptions = 0
+  for _ in range(120):
+    for slot in range(24):
+      if wants[slot] and rng.random() < 0.08:
+        fast.release(slot), slow.release(slot)
+        wants[slot] = 0
+      elif not wants[slot] and rng.random() < 0.5 and fast.admit([16]):
+        assert fast.start(slot, 16) and slow.start(slot, 16)
+        wants[slot] = 16
+    wants = np.minimum(wants + rng.integers(0, 40, 24) * (wants > 0), 160)
+    got = fast.grow(wants)
+    assert got == _grow_one_row_at_a_time(slow, wants)
+    np.testing.assert_array_equal(fast.table, slow.table)
+    np.testing.assert_array_equal(fast.lengths, slow.lengths)
+    assert fast._free == slow._free
+    preemptions += len(got)
+    wants[got] = 0
+  assert preemptions > 10                               # the pressure did preempt
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda: allocator.PageAllocator(3, 16, 2, 4), "num_pages: a pool of 3 pages cannot hold one"),
     (lambda: paging.init_pools(1, slots=2, num_pages=3, max_pages=4, page_size=16, kv_heads=1,

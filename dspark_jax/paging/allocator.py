@@ -177,17 +177,30 @@ class PageAllocator:
       slot = int(np.argmax(wants > self.max_pages * self.page_size))
       raise ValueError(f"wants: slot {slot} wants {int(wants[slot])} positions, more than a "
                        f"slot's capacity of {self.max_pages * self.page_size}")
-    running = sorted((s for s in range(wants.size) if self.held(s) or wants[s]),
-                     key=lambda s: self._order[s])
+    held = pages_for(self.lengths, self.page_size)
+    want = pages_for(wants, self.page_size)
+    running = np.flatnonzero((held > 0) | (wants > 0))
+    running = running[np.argsort(self._order[running], kind="stable")]  # oldest first
+    deficit = np.maximum(want - held, 0)
+    short = int(deficit[running].sum()) - self.free_pages  # pages missing, all rows kept
     preempted = []
-    short = lambda: int(sum(max(int(pages_for(wants[s], self.page_size)) - self.held(s), 0)
-                            for s in running)) - self.free_pages
-    while running and short() > 0:
-      victim = running.pop()
+    while running.size and short > 0:         # a victim returns its pages and wants none
+      victim = int(running[-1])
+      running = running[:-1]
+      short -= int(deficit[victim] + held[victim])
       self.release(victim)
       preempted.append(victim)
-    for slot in running:
-      assert self.reserve(slot, int(wants[slot]))
+    # The pages `reserve` would pop, row by row (oldest first), position by position.
+    takers = running[deficit[running] > 0]
+    total = int(deficit[takers].sum())
+    pages = self._free[::-1][:total]
+    del self._free[len(self._free) - total:]
+    start = 0
+    for slot in takers:
+      count = int(deficit[slot])
+      self.table[slot, held[slot]:held[slot] + count] = pages[start:start + count]
+      start += count
+    self.lengths[running] = np.maximum(self.lengths[running], want[running] * self.page_size)
     return preempted
 
 
