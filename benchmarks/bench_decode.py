@@ -30,8 +30,8 @@ Floors: the larger of a bytes floor (what must be read once, at `harness.floor_b
 compute floor (2 FLOPs per parameter per token at this run's bf16 matrix rate,
 `harness.matmul_rate`). Bytes: AR step and target verify: the target's weights and its KV cache
 over the context; draft forward: the draft's layers, the shared LM head and the draft's context
-K/V; block sampling: ``γ·(r·V + 2·B·V)·itemsize``; full and packed round: those three together. Parameters:
-the target's (AR step: B tokens; verify: B·(γ+1)); the draft's layers and the LM head (B·γ
+K/V; block sampling: ``γ·(r·V + 2·B·V)·itemsize``; full and packed round: those three together.
+Parameters: the target's (AR step: B tokens; verify: B·(γ+1)); the draft's layers and the LM head (B·γ
 tokens); W2 for block sampling (B·γ tokens); the full round: the sum of its three parts.
 Attention's own FLOPs over the context are not counted, so the compute floor is a lower bound.
 
@@ -77,6 +77,7 @@ import dspark_jax as dj
 from benchmarks import harness
 from dspark_jax import decoding
 from dspark_jax import verification
+from dspark_jax.decoding import rounds
 from dspark_jax.draft import block as block_lib
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import pallas_block
@@ -425,8 +426,7 @@ def round_parts(target, draft, batch: int, context: int, args, capacity: int | N
       "full round": lambda: looped(round_body, (t_state, d_state, head), round_state),
       "packed round": lambda: looped(
           functools.partial(round_body, schedule=packed), (t_state, d_state, head),
-          lambda: dict(round_state(), schedule=packed.init(batch, gamma),
-                       row_verified=jnp.zeros((batch,), jnp.int32))),
+          lambda: dict(round_state(), **rounds.schedule_entries(packed, batch, gamma))),
       "autoregressive step": lambda: looped(
           ar_body, t_state,
           lambda: dict({k: v for k, v in small_state().items() if k in ar_keys},

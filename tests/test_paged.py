@@ -310,7 +310,8 @@ def test_grow_hands_out_the_pages_that_reserving_row_by_row_would():
   for _ in range(120):
     for slot in range(24):
       if wants[slot] and rng.random() < 0.08:
-        fast.release(slot), slow.release(slot)
+        fast.release(slot)
+        slow.release(slot)
         wants[slot] = 0
       elif not wants[slot] and rng.random() < 0.5 and fast.admit([16]):
         assert fast.start(slot, 16) and slow.start(slot, 16)

@@ -139,6 +139,13 @@ def _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk):
   return target.logits(last), cache, context
 
 
+def schedule_entries(schedule, batch: int, gamma: int) -> dict:
+  """The loop state a verify-length schedule adds for `batch` rows: its own state
+  (``schedule.init``) and ``row_verified``, [batch] int32 tokens verified so far (zeros)."""
+  return {"schedule": schedule.init(batch, gamma),
+          "row_verified": jnp.zeros((batch,), jnp.int32)}
+
+
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len,
              stop_seqs=None, schedule=None, trace=False, cache=None, context=None,
              chunk=PREFILL_CHUNK):
@@ -180,8 +187,7 @@ def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, c
     state["row_rounds"] = jnp.zeros((batch,), jnp.int32)
     state["row_accepted"] = jnp.zeros((batch,), jnp.int32)
     if schedule is not None:
-      state["schedule"] = schedule.init(batch, gamma)
-      state["row_verified"] = jnp.zeros((batch,), jnp.int32)
+      state.update(schedule_entries(schedule, batch, gamma))
     if trace:
       state["trace"] = {"confidence": jnp.full((out_len, batch, gamma), jnp.nan, jnp.float32),
                         "verify_lens": jnp.zeros((out_len, batch), jnp.int32),

@@ -30,7 +30,7 @@ from flax import nnx
 
 from dspark_jax.decoding import loop
 from dspark_jax.decoding.requests import MIN_BUCKET, bucket
-from dspark_jax.decoding.rounds import _prefill
+from dspark_jax.decoding.rounds import _prefill, schedule_entries
 from dspark_jax.paging import cache as paging
 
 GLOBAL_KEYS = ("rounds", "reached", "accepted", "schedule", "trace")
@@ -225,6 +225,5 @@ def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_input
     state["row_reached"] = jnp.zeros((slots_n, gamma), jnp.int32)
     state["row_hits"] = jnp.zeros((slots_n, gamma), jnp.int32)
     if schedule is not None:
-      state["schedule"] = schedule.init(slots_n, gamma)
-      state["row_verified"] = jnp.zeros((slots_n,), jnp.int32)
+      state.update(schedule_entries(schedule, slots_n, gamma))
   return state

@@ -193,7 +193,7 @@ class PageAllocator:
     # The pages `reserve` would pop, row by row (oldest first), position by position.
     takers = running[deficit[running] > 0]
     total = int(deficit[takers].sum())
-    pages = self._free[::-1][:total]
+    pages = self._free[len(self._free) - total:][::-1]    # pop() order: the list's end first
     del self._free[len(self._free) - total:]
     start = 0
     for slot in takers:
