@@ -46,6 +46,22 @@ def token_buckets(batch: int, width: int) -> tuple[int, ...]:
   return tuple(sorted(s for s in sizes if s >= 1))
 
 
+PROMPT_UNIT = 256
+"""Packed prompt tokens come in sizes of this many times 1, 2, 3, 4, 6, 8, 12, ... (`prompt_size`)."""
+
+
+def prompt_size(total: int, unit: int = PROMPT_UNIT) -> int:
+  """The static token count `total` packed prompt tokens are padded to: the smallest
+  ``unit · m`` >= `total` with m a power of two or three times one (1, 2, 3, 4, 6, 8, 12, ...),
+  so a packed prefill wastes at most a third of its tokens and few sizes (programs) occur."""
+  power = 1
+  while True:
+    for m in (power, 3 * power // 2):
+      if unit * m >= total and m >= 1:
+        return unit * m
+    power *= 2
+
+
 def pack(counts: jax.Array, size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The layout of [B] `counts` tokens (each row's first slots) in `size` packed slots.
 

@@ -52,10 +52,11 @@ from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, chec
                                           check_request, choose_block_backend)
 from dspark_jax.decoding.rounds import PREFILL_CHUNK, _row_arrays
 from dspark_jax.decoding.slots import (CACHE_KEYS, GLOBAL_KEYS, _chunk_program, _empty_state,
-                                       _group_prompts, _refill_program, _saved_rows,
-                                       _trace_buffers)
+                                       _group_prompts, _pack_prompts, _refill_program,
+                                       _saved_rows, _trace_buffers)
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
+from dspark_jax.kernels import attention
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
 from dspark_jax.paging import allocator as page_alloc
@@ -63,6 +64,10 @@ from dspark_jax.paging import cache as paging
 from dspark_jax.sampling import params as sp
 
 __all__ = ["Engine", "PromptResult", "QueueResult"]
+
+PACKED_PROMPT_LIMIT = 8192
+"""Most tokens a packed refill (`Engine.pack_prompts`) prefills in its one pass, unless K rows of
+``prefill_chunk`` positions, what a padded refill's pass holds, are more."""
 
 
 def _check_positive(name: str, value) -> int:
@@ -114,6 +119,12 @@ class Engine:
     prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose prompts'
       bucket is longer is padded to the most whole passes a slot holds (its passes stop after the
       longest row), so such refills share one program per K.
+    pack_prompts: a refill prefills its K prompts packed one after another into one pass of N
+      tokens (`slots._pack_prompts`; N one of a few sizes), each prompt attending to itself
+      only, so its work follows the prompts' tokens rather than K times the longest; where the
+      packed attention does not run (`kernels.attention.choose_segments`) or N would pass
+      ``max(PACKED_PROMPT_LIMIT, K · prefill_chunk)``, the refill pads its rows instead. False:
+      always pad. Tokens are the same either way (up to rounding).
   """
 
   target: tm.TargetModel
@@ -136,6 +147,7 @@ class Engine:
   config: Any = None
   trace: bool = False
   prefill_chunk: int | None = PREFILL_CHUNK
+  pack_prompts: bool = True
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
@@ -165,6 +177,20 @@ class Engine:
       if self.schedule is not None and jax.tree.leaves(self.schedule.init(1, gamma)):
         raise ValueError("trace: the queue traces only stateless schedules (a stateful one keys "
                          "its draft noise by the round counter the trace reuses)")
+
+  def _packed(self, target, padded, lens, index, saved, real: int, cache_len: int):
+    """A refill's packed prompts (`slots._pack_prompts`), or None where it pads them instead
+    (`pack_prompts`)."""
+    if not self.pack_prompts:
+      return None
+    limit = max(PACKED_PROMPT_LIMIT, index.size * (self.prefill_chunk or cache_len))
+    packed = _pack_prompts(padded, lens, index, saved, real, limit)
+    if packed is None:
+      return None
+    shape = target.config.layer
+    probe = jax.ShapeDtypeStruct((1, packed[0].size, shape.num_heads, shape.head_dim),
+                                 target.config.dtype)
+    return packed if attention.choose_segments(probe) else None
 
   def _pool(self, slots_n: int, max_pages: int) -> int:
     """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and
@@ -309,8 +335,12 @@ class Engine:
             k = self.refill_rows or bucket(rows.size)
             index = np.concatenate([rows, np.full(k - rows.size, rows[0])])
             where = np.concatenate([slots, np.full(k - rows.size, slots_n)]).astype(np.int32)
-            group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
-                                               self.prefill_chunk)
+            packed = self._packed(target, padded, lens, index, saved, rows.size, cache_len)
+            if packed is None:
+              group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
+                                                 self.prefill_chunk)
+            else:
+              group, group_lens = packed
             resume = np.array([int(i) in saved for i in index])
             row_state = None
             if pages is not None:
@@ -319,8 +349,9 @@ class Engine:
             args = (*models, state, inputs, group, group_lens,
                     jax.tree.map(lambda x: x[index], all_inputs), where, key,
                     None if pages is None else pages.table(), row_state, resume)
-            program, seconds = compile_cache.compiled(_refill_program, args, refill_statics,
-                                                      donate=(2, 3))
+            program, seconds = compile_cache.compiled(
+                _refill_program, args, dict(refill_statics, packed=packed is not None),
+                donate=(2, 3))
             run.compile(seconds)
             compiled += seconds
             state, inputs = program(*args)          # queued: the next refill's host work overlaps
