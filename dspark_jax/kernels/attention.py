@@ -37,6 +37,12 @@ positions, `models.layers.CacheUpTo`); elsewhere the prefill attends over its ca
 `benchmarks/bench_flash.py --chunk` times the two parts (``cudnn_parts``) against the ragged
 kernel over the cache.
 
+`attend_segments` is a packed prefill's attention (`models.target.TargetModel.packed_prefill`:
+several fresh prompts one after another in one row, each attending to itself only): cuDNN's flash
+attention in its packed layout (per-segment offsets and lengths) on a GPU, the einsum form with a
+segment mask elsewhere up to `SEGMENT_XLA_MAX` tokens; `choose_segments` says which, or None
+(the caller then pads its prompts instead).
+
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their
 maxima and sums, so the context cache is read in place rather than concatenated with the block's
@@ -292,8 +298,10 @@ def _segments_cudnn(q, k, v, lengths):
     k, v = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
   lengths = lengths.astype(jnp.int32)[None]
   offsets = segment_offsets(lengths[0])[None]
-  out = fa.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), q_seqlen=lengths,
-                                 kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+  packed = {}
+  if lengths.shape[1] > 1:  # one segment from token 0 is plain causal attention (no packing)
+    packed = dict(q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets)
+  out = fa.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), **packed,
                                  scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.CAUSAL,
                                  qkv_layout="BTNH")
   inside = jnp.arange(q.shape[1]) < offsets[0, -1]
