@@ -308,6 +308,19 @@ class Engine:
     saved: dict[int, dict] = {}  # preempted prompts' row state, until they resume
     owner = np.full(slots_n, -1)
     light_keys = [k for k in state if k not in CACHE_KEYS and k not in GLOBAL_KEYS]
+    programs = {}
+
+    def program_for(local, fn, args, statics, donate):
+      """`compile_cache.compiled`'s program, looked up once per run for each `local` key: within
+      a run the models, statics and every other argument's shape follow from `local`, and
+      `compiled`'s own key hashes the models' graphs (milliseconds at a 4B shape, per call)."""
+      if local in programs:
+        return programs[local], 0.0
+      program, seconds = compile_cache.compiled(fn, args, statics, donate=donate)
+      run.compile(seconds)
+      programs[local] = program
+      return program, seconds
+
     light = None
     try:
       while queue or (owner >= 0).any():
@@ -349,10 +362,9 @@ class Engine:
             args = (*models, state, inputs, group, group_lens,
                     jax.tree.map(lambda x: x[index], all_inputs), where, key,
                     None if pages is None else pages.table(), row_state, resume)
-            program, seconds = compile_cache.compiled(
-                _refill_program, args, dict(refill_statics, packed=packed is not None),
-                donate=(2, 3))
-            run.compile(seconds)
+            program, seconds = program_for(
+                ("refill", group.shape, k, packed is not None, tuple(state)), _refill_program,
+                args, dict(refill_statics, packed=packed is not None), (2, 3))
             compiled += seconds
             state, inputs = program(*args)          # queued: the next refill's host work overlaps
             groups.append((slots, rows, resume[:rows.size]))
@@ -369,8 +381,8 @@ class Engine:
                 else slots_n + 1 if drain else int((owner < 0).sum()) + 1)
         queued = bool(queue)
         args = (*models, state, inputs, key, np.int32(need), owner < 0)
-        program, seconds = compile_cache.compiled(_chunk_program, args, chunk_statics, donate=(2,))
-        run.compile(seconds)
+        program, _ = program_for(("chunk", tuple(state)), _chunk_program, args, chunk_statics,
+                                 (2,))
         began = time.perf_counter()
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})
