@@ -185,3 +185,36 @@ def test_packed_refills_decode_the_tokens_padded_refills_decode(pair, kv, monkey
   assert packed_calls and all(packed_calls)
   if kv == "paged":
     assert packed.preemptions >= 1 and packed.preemptions == padded.preemptions
+
+
+@pytest.mark.gpu
+def test_packed_prefill_through_cudnn_equals_the_padded_one_pass_on_the_gpu():
+  # bf16, rows of length 1, 64, 200 and 256 packed into 768 tokens (cuDNN's packed layout) against
+  # the same rows right-padded to 256 in one pass (cuDNN's causal attention): the last logits and
+  # every written cache slot within bf16 rounding.
+  from flax import nnx
+
+  from dspark_jax.decoding import rounds
+  from tests.test_prefill import SHAPE_GPU, VOCAB_GPU
+  config = tm.TargetConfig(vocab_size=VOCAB_GPU, num_layers=2, layer=SHAPE_GPU,
+                           feature_layers=(-1, 1), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  target = tm.TargetModel(config, rngs=nnx.Rngs(0))
+  draft = make_draft(target, 3, "vanilla")
+  lengths = [1, 64, 200, 256]
+  slots = 320
+  prompts, tokens, _, _ = _packed_inputs(config, lengths, packing.prompt_size(sum(lengths)))
+  padded = np.zeros((4, 256), np.int32)
+  for r, prompt in enumerate(prompts):
+    padded[r, :prompt.size] = prompt
+  lens = jnp.asarray(lengths, jnp.int32)
+  fresh = lambda: (tm.init_cache(config, 4, slots), draft.init_context(4, slots))
+  packed_fn = jax.jit(lambda t, l: rounds._packed_prefill_forward(target, draft, t, l, *fresh()))
+  padded_fn = jax.jit(lambda p, l: rounds._prefill_forward(target, draft, p, l, *fresh(), None))
+  assert "__cudnn$fmha" in packed_fn.lower(tokens, lens).compile().as_text()
+  got = jax.tree.map(lambda x: np.asarray(x, np.float32), packed_fn(tokens, lens))
+  want = jax.tree.map(lambda x: np.asarray(x, np.float32), padded_fn(jnp.asarray(padded), lens))
+  np.testing.assert_allclose(got[0], want[0], atol=8 * 2.0**-8 * np.abs(want[0]).max())
+  valid = (np.arange(slots)[None, :] < np.asarray(lengths)[:, None])[:, None, :, None]
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    np.testing.assert_allclose(np.where(valid, a, 0), np.where(valid, b, 0),
+                               atol=8 * 2.0**-8 * np.abs(b).max())
