@@ -651,6 +651,7 @@ def main(argv=None) -> int:
                               temperature=args.temperature, per_slot=args.per_slot,
                               refill_at=args.refill_at, refill_rows=args.refill_rows,
                               rounds_per_call=args.rounds_per_call,
+                              pack_prompts=args.pack_prompts,
                               compilation_cache=args.compilation_cache)
   work = Workload(args)
   results: dict = {"pair": work.name}
