@@ -187,6 +187,26 @@ def test_packed_refills_decode_the_tokens_padded_refills_decode(pair, kv, monkey
     assert packed.preemptions >= 1 and packed.preemptions == padded.preemptions
 
 
+@pytest.mark.parametrize("spec", [True, False])
+def test_a_fixed_batch_prefilled_packed_decodes_the_padded_batchs_tokens(pair, spec, monkeypatch):
+  # `generate` without slots: 6 prompts of 1..7 tokens (greedy and sampled rows, a stop token),
+  # padded to 8 rows, packed into one pass or right-padded: the same tokens, lengths and finish
+  # reasons; the packing run packed.
+  target, draft = pair
+  calls = []
+  original = packing.pack_prompts
+  monkeypatch.setattr(packing, "pack_prompts",
+                      lambda *a, **k: calls.append(1) or original(*a, **k))
+  params = dj.SamplingParams(temperature=TEMPERATURES, seed=SEEDS)
+  out = {pack: dj.generate(target, draft if spec else None, PROMPTS, params, jax.random.key(5),
+                           max_new_tokens=8, stop_token_ids=[STOP], spec=spec,
+                           pack_prompts=pack) for pack in (False, True)}
+  np.testing.assert_array_equal(out[True].tokens, out[False].tokens)
+  np.testing.assert_array_equal(out[True].lengths, out[False].lengths)
+  assert out[True].finish_reason == out[False].finish_reason
+  assert calls == [1]
+
+
 @pytest.mark.gpu
 def test_packed_prefill_through_cudnn_equals_the_padded_one_pass_on_the_gpu():
   # bf16, rows of length 1, 64, 200 and 256 packed into 768 tokens (cuDNN's packed layout) against

@@ -46,6 +46,7 @@ from flax import nnx
 
 from dspark_jax.decoding import compile_cache
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import packing
 from dspark_jax.decoding.paged_slots import _Pages
 from dspark_jax.decoding.queue_results import PromptResult, QueueResult, _Run
 from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, check_models,
@@ -56,7 +57,6 @@ from dspark_jax.decoding.slots import (CACHE_KEYS, GLOBAL_KEYS, _chunk_program, 
                                        _saved_rows, _trace_buffers)
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
-from dspark_jax.kernels import attention
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
 from dspark_jax.paging import allocator as page_alloc
@@ -65,9 +65,6 @@ from dspark_jax.sampling import params as sp
 
 __all__ = ["Engine", "PromptResult", "QueueResult"]
 
-PACKED_PROMPT_LIMIT = 8192
-"""Most tokens a packed refill (`Engine.pack_prompts`) prefills in its one pass, unless K rows of
-``prefill_chunk`` positions, what a padded refill's pass holds, are more."""
 
 
 def _check_positive(name: str, value) -> int:
@@ -123,8 +120,8 @@ class Engine:
       tokens (`slots._pack_prompts`; N one of a few sizes), each prompt attending to itself
       only, so its work follows the prompts' tokens rather than K times the longest; where the
       packed attention does not run (`kernels.attention.choose_segments`) or N would pass
-      ``max(PACKED_PROMPT_LIMIT, K · prefill_chunk)``, the refill pads its rows instead. False:
-      always pad. Tokens are the same either way (up to rounding).
+      `packing.prompt_limit`, the refill pads its rows instead. False: always pad. The tokens
+      are the same either way (up to rounding).
   """
 
   target: tm.TargetModel
@@ -183,14 +180,9 @@ class Engine:
     (`pack_prompts`)."""
     if not self.pack_prompts:
       return None
-    limit = max(PACKED_PROMPT_LIMIT, index.size * (self.prefill_chunk or cache_len))
+    limit = packing.prompt_limit(index.size, self.prefill_chunk, cache_len)
     packed = _pack_prompts(padded, lens, index, saved, real, limit)
-    if packed is None:
-      return None
-    shape = target.config.layer
-    probe = jax.ShapeDtypeStruct((1, packed[0].size, shape.num_heads, shape.head_dim),
-                                 target.config.dtype)
-    return packed if attention.choose_segments(probe) else None
+    return packed if packed is not None and packing.packs(target.config, packed[0].size) else None
 
   def _pool(self, slots_n: int, max_pages: int) -> int:
     """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and

@@ -193,20 +193,13 @@ def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
 
 
 def _pack_prompts(padded, lens, index, saved, real: int, limit: int):
-  """The refill's prompts packed one after another (`rounds._packed_prefill_forward`): [N]
-  tokens (N = `packing.prompt_size` of their total) and [K] lengths, or None where N would be
-  over `limit`. Rows past the first `real` (a group's padding, dropped on admission) get one
-  token each rather than a copy of a prompt."""
+  """The refill's prompts (`_row_tokens`) packed one after another (`packing.pack_prompts`;
+  `rounds._packed_prefill_forward`), or None where they would pass `limit` tokens. Rows past the
+  first `real` (a group's padding, dropped on admission) get one token each rather than a copy
+  of a prompt."""
   rows = _row_tokens(padded, lens, index[:real], saved)
-  rows += [rows[0][:1]] * (len(index) - real)
-  row_lens = np.asarray([tokens.size for tokens in rows], lens.dtype)
-  size = packing.prompt_size(int(row_lens.sum()))
-  if size > limit:
-    return None
-  tokens = np.zeros((size,), np.int32)
-  flat = np.concatenate(rows)
-  tokens[:flat.size] = flat
-  return tokens, row_lens
+  packed = packing.pack_prompts(rows + [rows[0][:1]] * (len(index) - real), limit)
+  return None if packed is None else (packed[0], packed[1].astype(lens.dtype))
 
 
 def _saved_rows(index, saved, state, light_keys):
