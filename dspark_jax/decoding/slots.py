@@ -11,10 +11,10 @@ This module owns the device side of `decoding.queue.Engine` and the host arrays 
   itself only, so the work follows the prompts' tokens) or, where packing does not apply,
   right-padded to a length bucket T (K a power of two up to S, one program per (K, T); a group
   wider than ``prefill_chunk`` positions is padded to the most whole passes of that many a slot
-  holds, so all such groups of K rows share one program: `_group_prompts`), and writes their rows into the chosen slots (`SlotCaches`
-  for the caches, a scatter for every other per-row array: tokens, counts, flags, per-row sampling
-  parameters, budgets, stop ids and sequences); a resumed (preempted) row takes its saved state
-  (`_saved_rows`) and recomputes only its caches;
+  holds, so all such groups of K rows share one program: `_group_prompts`), and writes their rows
+  into the chosen slots (`SlotCaches` for the caches, a scatter for every other per-row array:
+  tokens, counts, flags, per-row sampling parameters, budgets, stop ids and sequences); a resumed
+  (preempted) row takes its saved state (`_saved_rows`) and recomputes only its caches;
 * the *chunk* (`_chunk_program`): a `lax.while_loop` of the usual iterations (`loop.iteration`)
   that runs until ``rounds_per_call`` iterations have run, every slot is idle, or at least
   ``need`` slots are free (``need`` = min(``refill_at``, prompts still queued); with the queue
