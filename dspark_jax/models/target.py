@@ -275,7 +275,6 @@ class TargetModel(nnx.Module):
     logits, features, kv = self._run(tokens[None], positions[None], gather_kv)
     return logits[0], features[0], {"k": kv[0], "v": kv[1]}
 
-
   def packed_prefill(self, tokens: jax.Array, rows: jax.Array, positions: jax.Array,
                      lengths: jax.Array, cache) -> tuple[jax.Array, jax.Array, object]:
     """Prefills B prompts packed one after another into one row of N tokens: the refill whose
