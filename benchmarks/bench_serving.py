@@ -196,6 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="throughput study: the engines' prompt positions per prefill pass "
                            "(`dj.Engine.prefill_chunk`; default its own, 512): a refill of longer "
                            "prompts runs whole passes, one program per row count")
+  parser.add_argument("--pack-prompts", action=argparse.BooleanOptionalAction, default=True,
+                      help="throughput study: refills pack their prompts into one pass "
+                           "(`dj.Engine.pack_prompts`, default) or pad them (--no-pack-prompts)")
   parser.add_argument("--compilation-cache", default=None, metavar="DIR",
                       help="JAX's persistent compilation cache directory: programs compiled by "
                            "an earlier run with the same shapes load from it (docs/serving.md)")
@@ -550,6 +553,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
   gamma = work.draft.config.gamma
   results, skipped = [], []
   prefill = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+  prefill["pack_prompts"] = args.pack_prompts
   began = time.perf_counter()
   for c in args.concurrency:
     if args.budget_s and time.perf_counter() - began > args.budget_s:
@@ -647,6 +651,7 @@ def main(argv=None) -> int:
                               temperature=args.temperature, per_slot=args.per_slot,
                               refill_at=args.refill_at, refill_rows=args.refill_rows,
                               rounds_per_call=args.rounds_per_call,
+                              pack_prompts=args.pack_prompts,
                               compilation_cache=args.compilation_cache)
   work = Workload(args)
   results: dict = {"pair": work.name}

@@ -67,6 +67,7 @@ TESTS = (
     "tests/test_packing.py",
     "tests/test_paged.py",
     "tests/test_prefill.py",
+    "tests/test_packed_prefill.py",
 )
 """The GPU-relevant test files (edit here)."""
 TEST_MARKS = "kernel or gpu"

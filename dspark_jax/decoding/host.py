@@ -20,6 +20,7 @@ from flax import nnx
 
 from dspark_jax.decoding import compile_cache
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import packing
 from dspark_jax.decoding import queue
 from dspark_jax.decoding import stops
 from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, check_models,
@@ -101,7 +102,8 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
              max_batch_size: int | None = None, max_seq_len: int | None = None,
              progress: bool = False, on_finish=None, kv: str | None = None,
              num_pages: int | None = None, page_size: int | None = None,
-             prefill_chunk: int | None = PREFILL_CHUNK) -> GenerateResult:
+             prefill_chunk: int | None = PREFILL_CHUNK,
+             pack_prompts: bool = True) -> GenerateResult:
   """Decodes a batch of prompts speculatively with a DSpark draft (or autoregressively).
 
   Args:
@@ -141,6 +143,12 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
     prefill_chunk: prompt positions per prefill pass: a longer prompt is prefilled in passes of
       this many, each attending to the cache written so far, so its activation memory follows the
       chunk, not the prompt (`loop.decode`). None: the whole prompt in one pass.
+    pack_prompts: prefill the prompts packed one after another into one pass, each attending to
+      itself only (`TargetModel.packed_prefill`), so the prefill's work follows their tokens
+      rather than B times the longest; where the packed attention does not run
+      (`kernels.attention.choose_segments`), the prompts would pass `packing.prompt_limit`
+      tokens, or the models are placed on a mesh, they are right-padded and prefilled in passes
+      of `prefill_chunk` instead. The same tokens either way (up to rounding).
 
   Returns:
     A `GenerateResult` (with `max_batch_size`: a `queue.QueueResult`, the same array fields plus
@@ -161,7 +169,7 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                           schedule=schedule, mode=mode, memory_stats=memory_stats,
                           headroom_bytes=headroom_bytes, store_logits=store_logits,
                           backend=backend, config=config, trace=bool(trace),
-                          prefill_chunk=prefill_chunk, **paging)
+                          prefill_chunk=prefill_chunk, pack_prompts=pack_prompts, **paging)
     return engine.generate(prompts, params, key, max_new_tokens=max_new_tokens,
                            stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                            progress=progress, on_finish=on_finish)
@@ -175,13 +183,15 @@ def generate(target: tm.TargetModel, draft: dm.DSparkDraft | None, prompts, para
                       memory_stats=memory_stats, headroom_bytes=headroom_bytes,
                       store_logits=store_logits, backend=backend, config=config,
                       stop_sequences=stop_sequences, schedule=schedule, trace=trace,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, pack_prompts=pack_prompts)
 
 
 def _fixed_batch(target, draft, prompts, params, key, *, max_new_tokens, stop_token_ids, spec,
                  mode, memory_stats, headroom_bytes, store_logits, backend, config,
-                 stop_sequences, schedule, trace, prefill_chunk) -> GenerateResult:
-  """`generate` without `max_batch_size`: every prompt in one padded batch (its arguments)."""
+                 stop_sequences, schedule, trace, prefill_chunk,
+                 pack_prompts=True) -> GenerateResult:
+  """`generate` without `max_batch_size`: every prompt in one batch (its arguments), prefilled
+  packed where `pack_prompts` and the packed attention allow (`packing.packs`), else padded."""
   vocab = target.config.vocab_size
   check_models(target, draft, spec)
   prompt, prompt_lens, max_new, stop_ids, stop_seqs = check_request(
@@ -208,6 +218,15 @@ def _fixed_batch(target, draft, prompts, params, key, *, max_new_tokens, stop_to
           _row_arrays(params.padded(padded_batch)),
           np.pad(stop_ids, ((0, extra), (0, 0)), constant_values=-1),
           np.pad(stop_seqs, ((0, extra), (0, 0), (0, 0)), constant_values=-1), key)
+  packed = None
+  if pack_prompts and target.plan is None:   # rows sharded over a mesh stay padded
+    each = [prompt[i, :n] for i, n in enumerate(prompt_lens)] + [prompt[:1, 0]] * extra
+    packed = packing.pack_prompts(each, packing.prompt_limit(padded_batch, prefill_chunk,
+                                                             cache_len))
+    if packed is not None and packing.packs(target.config, packed[0].size):
+      args = (packed[0],) + args[1:]
+    else:
+      packed = None
   args = jax.device_put(args)
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
@@ -222,11 +241,12 @@ def _fixed_batch(target, draft, prompts, params, key, *, max_new_tokens, stop_to
     out = loop._run_eager(target_state, draft_state, args, target_def=target_def,
                           draft_def=draft_def, kind=draft.head.kind, cache_len=cache_len,
                           out_len=out_len, store_logits=store_logits, schedule=schedule,
-                          trace=trace, prefill_chunk=prefill_chunk)
+                          trace=trace, prefill_chunk=prefill_chunk, packed=packed is not None)
   else:
     statics = dict(target_def=target_def, draft_def=draft_def, path=path, cache_len=cache_len,
                    out_len=out_len, store_logits=store_logits, backend=choice,
-                   schedule=schedule, trace=trace, prefill_chunk=prefill_chunk)
+                   schedule=schedule, trace=trace, prefill_chunk=prefill_chunk,
+                   packed=packed is not None)
     program, compile_seconds = compile_cache.compiled(
         loop._decode_program, (target_state, draft_state, *args), statics)
     start += compile_seconds

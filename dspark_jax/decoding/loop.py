@@ -110,12 +110,13 @@ def _as_output(state, gamma: int) -> DecodeOutput:
 def _decode_program(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids,
                     stop_seqs, key, *, target_def, draft_def, path, cache_len, out_len,
                     store_logits=True, backend=None, schedule=None, trace=False,
-                    prefill_chunk=PREFILL_CHUNK):
-  """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps."""
+                    prefill_chunk=PREFILL_CHUNK, packed=False):
+  """The whole decode as one program: prefill, then a `lax.while_loop` of rounds or steps.
+  `packed`: `prompt` is the prompts packed into [N] tokens (`rounds._prefill`)."""
   target = nnx.merge(target_def, target_state)
   draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
   state = _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len,
-                   out_len, stop_seqs, schedule, trace, chunk=prefill_chunk)
+                   out_len, stop_seqs, schedule, trace, chunk=prefill_chunk, packed=packed)
   body = iteration(target, draft, path, max_new, rows, stop_ids, stop_seqs, key,
                    store_logits=store_logits, backend=backend, schedule=schedule)
   limit = out_len  # every iteration commits at least one token per active row
@@ -312,13 +313,13 @@ def check_prefill_chunk(value) -> int | None:
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "cache_len", "out_len",
-                                             "schedule", "trace", "prefill_chunk"))
+                                             "schedule", "trace", "prefill_chunk", "packed"))
 def _eager_prefill(target_state, draft_state, prompt, prompt_lens, max_new, rows, stop_ids,
                    stop_seqs, key, *, target_def, draft_def, cache_len, out_len, schedule, trace,
-                   prefill_chunk):
+                   prefill_chunk, packed=False):
   return _prefill(nnx.merge(target_def, target_state), nnx.merge(draft_def, draft_state), prompt,
                   prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len, stop_seqs,
-                  schedule, trace, chunk=prefill_chunk)
+                  schedule, trace, chunk=prefill_chunk, packed=packed)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def"))
@@ -343,12 +344,14 @@ def _eager_output(state, *, out_len, gamma):
 
 
 def _run_eager(target_state, draft_state, args, *, target_def, draft_def, kind, cache_len, out_len,
-               store_logits=True, schedule=None, trace=False, prefill_chunk=PREFILL_CHUNK):
+               store_logits=True, schedule=None, trace=False, prefill_chunk=PREFILL_CHUNK,
+               packed=False):
   """The eager fallback's decode: the `DecodeOutput` `_decode_program` would return."""
   prompt, prompt_lens, max_new, rows, stop_ids, stop_seqs, key = args
   defs = dict(target_def=target_def, draft_def=draft_def)
   state = _eager_prefill(target_state, draft_state, *args, cache_len=cache_len, out_len=out_len,
-                         schedule=schedule, trace=trace, prefill_chunk=prefill_chunk, **defs)
+                         schedule=schedule, trace=trace, prefill_chunk=prefill_chunk,
+                         packed=packed, **defs)
   while not bool(jnp.all(state["done"])) and int(state["rounds"]) < out_len:
     base, hidden, head, conf = _eager_draft(target_state, draft_state, state, **defs)
     tokens, corrected, confidence = proposal.eager_block(

@@ -24,7 +24,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from dspark_jax.kernels import attention
 from dspark_jax.models import target as tm
 
 BUCKET_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)
@@ -44,6 +46,55 @@ def token_buckets(batch: int, width: int) -> tuple[int, ...]:
   step = min(8, batch)
   sizes = {min(full, step * math.ceil(full * f / step)) for f in BUCKET_FRACTIONS}
   return tuple(sorted(s for s in sizes if s >= 1))
+
+
+PROMPT_UNIT = 256
+"""Packed prompt tokens come in sizes of this many times 1, 2, 3, 4, 6, 8, 12, ... (`prompt_size`)."""
+
+
+def prompt_size(total: int, unit: int = PROMPT_UNIT) -> int:
+  """The static token count `total` packed prompt tokens are padded to: the smallest
+  ``unit · m`` >= `total` with m a power of two or three times one (1, 2, 3, 4, 6, 8, 12, ...),
+  so a packed prefill wastes at most a third of its tokens and few sizes (programs) occur."""
+  power = 1
+  while True:
+    for m in (power, 3 * power // 2):
+      if unit * m >= total and m >= 1:
+        return unit * m
+    power *= 2
+
+
+PACKED_PROMPT_LIMIT = 8192
+"""Most tokens a packed prefill takes in its one pass, unless B rows of ``prefill_chunk``
+positions, what a padded prefill's pass holds, are more (`prompt_limit`)."""
+
+
+def prompt_limit(batch: int, chunk: int | None, cache_len: int) -> int:
+  """The most tokens `batch` prompts may pack into (`PACKED_PROMPT_LIMIT`, or what `batch` rows of
+  a padded pass of `chunk` positions, or of the whole `cache_len` without a chunk, hold)."""
+  return max(PACKED_PROMPT_LIMIT, batch * (chunk or cache_len))
+
+
+def pack_prompts(rows, limit: int):
+  """`rows` (1-D int token arrays, each of at least one token) one after another in
+  `prompt_size`(their total) tokens, zeros after them: ``(tokens [N] int32, lengths [B] int32)``,
+  or None where N would be over `limit`."""
+  lengths = np.asarray([r.size for r in rows], np.int32)
+  size = prompt_size(int(lengths.sum()))
+  if size > limit:
+    return None
+  tokens = np.zeros((size,), np.int32)
+  flat = np.concatenate(rows)
+  tokens[:flat.size] = flat
+  return tokens, lengths
+
+
+def packs(config: tm.TargetConfig, size: int) -> bool:
+  """Whether a packed prefill of `size` tokens runs for a target of `config` (its attention,
+  `kernels.attention.choose_segments`), rather than a padded one."""
+  probe = jax.ShapeDtypeStruct((1, size, config.layer.num_heads, config.layer.head_dim),
+                               config.dtype)
+  return attention.choose_segments(probe) is not None
 
 
 def pack(counts: jax.Array, size: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -46,14 +46,15 @@ from flax import nnx
 
 from dspark_jax.decoding import compile_cache
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import packing
 from dspark_jax.decoding.paged_slots import _Pages
 from dspark_jax.decoding.queue_results import PromptResult, QueueResult, _Run
 from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, check_models,
                                           check_request, choose_block_backend)
 from dspark_jax.decoding.rounds import PREFILL_CHUNK, _row_arrays
 from dspark_jax.decoding.slots import (CACHE_KEYS, GLOBAL_KEYS, _chunk_program, _empty_state,
-                                       _group_prompts, _refill_program, _saved_rows,
-                                       _trace_buffers)
+                                       _group_prompts, _pack_prompts, _refill_program,
+                                       _saved_rows, _trace_buffers)
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.models import draft as dm
@@ -63,6 +64,7 @@ from dspark_jax.paging import cache as paging
 from dspark_jax.sampling import params as sp
 
 __all__ = ["Engine", "PromptResult", "QueueResult"]
+
 
 
 def _check_positive(name: str, value) -> int:
@@ -114,6 +116,12 @@ class Engine:
     prefill_chunk: prompt positions per prefill pass (as in `generate`); a refill whose prompts'
       bucket is longer is padded to the most whole passes a slot holds (its passes stop after the
       longest row), so such refills share one program per K.
+    pack_prompts: a refill prefills its K prompts packed one after another into one pass of N
+      tokens (`slots._pack_prompts`; N one of a few sizes), each prompt attending to itself
+      only, so its work follows the prompts' tokens rather than K times the longest; where the
+      packed attention does not run (`kernels.attention.choose_segments`) or N would pass
+      `packing.prompt_limit`, the refill pads its rows instead. False: always pad. The tokens
+      are the same either way (up to rounding).
   """
 
   target: tm.TargetModel
@@ -136,6 +144,7 @@ class Engine:
   config: Any = None
   trace: bool = False
   prefill_chunk: int | None = PREFILL_CHUNK
+  pack_prompts: bool = True
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
@@ -165,6 +174,15 @@ class Engine:
       if self.schedule is not None and jax.tree.leaves(self.schedule.init(1, gamma)):
         raise ValueError("trace: the queue traces only stateless schedules (a stateful one keys "
                          "its draft noise by the round counter the trace reuses)")
+
+  def _packed(self, target, padded, lens, index, saved, real: int, cache_len: int):
+    """A refill's packed prompts (`slots._pack_prompts`), or None where it pads them instead
+    (`pack_prompts`)."""
+    if not self.pack_prompts:
+      return None
+    limit = packing.prompt_limit(index.size, self.prefill_chunk, cache_len)
+    packed = _pack_prompts(padded, lens, index, saved, real, limit)
+    return packed if packed is not None and packing.packs(target.config, packed[0].size) else None
 
   def _pool(self, slots_n: int, max_pages: int) -> int:
     """The pool's pages: `num_pages`, or what fits in free device memory less `headroom_bytes` and
@@ -282,6 +300,19 @@ class Engine:
     saved: dict[int, dict] = {}  # preempted prompts' row state, until they resume
     owner = np.full(slots_n, -1)
     light_keys = [k for k in state if k not in CACHE_KEYS and k not in GLOBAL_KEYS]
+    programs = {}
+
+    def program_for(local, fn, args, statics, donate):
+      """`compile_cache.compiled`'s program, looked up once per run for each `local` key: within
+      a run the models, statics and every other argument's shape follow from `local`, and
+      `compiled`'s own key hashes the models' graphs (milliseconds at a 4B shape, per call)."""
+      if local in programs:
+        return programs[local], 0.0
+      program, seconds = compile_cache.compiled(fn, args, statics, donate=donate)
+      run.compile(seconds)
+      programs[local] = program
+      return program, seconds
+
     light = None
     try:
       while queue or (owner >= 0).any():
@@ -303,13 +334,18 @@ class Engine:
           taken = np.array([queue.popleft() for _ in free])
           owner[free] = taken
           size = self.refill_rows or bucket(taken.size)
+          began, compiled, groups = time.perf_counter(), 0.0, []
           for start in range(0, taken.size, size):   # one refill, or refills of refill_rows
             rows, slots = taken[start:start + size], free[start:start + size]
             k = self.refill_rows or bucket(rows.size)
             index = np.concatenate([rows, np.full(k - rows.size, rows[0])])
             where = np.concatenate([slots, np.full(k - rows.size, slots_n)]).astype(np.int32)
-            group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
-                                               self.prefill_chunk)
+            packed = self._packed(target, padded, lens, index, saved, rows.size, cache_len)
+            if packed is None:
+              group, group_lens = _group_prompts(padded, lens, index, saved, cache_len,
+                                                 self.prefill_chunk)
+            else:
+              group, group_lens = packed
             resume = np.array([int(i) in saved for i in index])
             row_state = None
             if pages is not None:
@@ -318,14 +354,16 @@ class Engine:
             args = (*models, state, inputs, group, group_lens,
                     jax.tree.map(lambda x: x[index], all_inputs), where, key,
                     None if pages is None else pages.table(), row_state, resume)
-            program, seconds = compile_cache.compiled(_refill_program, args, refill_statics,
-                                                      donate=(2, 3))
-            run.compile(seconds)
-            began = time.perf_counter()
-            state, inputs = program(*args)
-            jax.block_until_ready(state["anchor"])
-            run.refilled(time.perf_counter() - began)
-            run.admitted(slots, rows, resume[:rows.size])
+            program, seconds = program_for(
+                ("refill", group.shape, k, packed is not None, tuple(state)), _refill_program,
+                args, dict(refill_statics, packed=packed is not None), (2, 3))
+            compiled += seconds
+            state, inputs = program(*args)          # queued: the next refill's host work overlaps
+            groups.append((slots, rows, resume[:rows.size]))
+          jax.block_until_ready(state["anchor"])    # one host round trip for the boundary's refills
+          run.refilled(time.perf_counter() - began - compiled)
+          for slots, rows, resumed in groups:
+            run.admitted(slots, rows, resumed)
           for i in taken:
             saved.pop(int(i), None)
         if pages is not None:
@@ -335,8 +373,8 @@ class Engine:
                 else slots_n + 1 if drain else int((owner < 0).sum()) + 1)
         queued = bool(queue)
         args = (*models, state, inputs, key, np.int32(need), owner < 0)
-        program, seconds = compile_cache.compiled(_chunk_program, args, chunk_statics, donate=(2,))
-        run.compile(seconds)
+        program, _ = program_for(("chunk", tuple(state)), _chunk_program, args, chunk_statics,
+                                 (2,))
         began = time.perf_counter()
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})

@@ -88,11 +88,12 @@ class QueueResult:
     rounds: loop iterations of all chunks. slot_rounds: S × rounds; busy_slot_rounds: the
       (slot, iteration) pairs whose slot held an unfinished prompt.
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
-    refill_seconds: of the wall, the refills (prefills of admitted prompts, from launch until
-      done); chunk_seconds: the chunks (from launch until the host holds their results). The rest
-      of the wall is the host's own work between them (`host_seconds`). fill_seconds: of the
-      refills, those before the first chunk (filling the empty slots: the start-up transient,
-      which a queue in its steady state does not pay).
+    refill_seconds: of the wall, the refills (prefills of admitted prompts, from a boundary's
+      first launch until its last refill is done, the host's preparation of the later ones
+      included: it overlaps the device's work); chunk_seconds: the chunks (from launch until the
+      host holds their results). The rest of the wall is the host's own work between them
+      (`host_seconds`). fill_seconds: of the refills, those before the first chunk (filling the
+      empty slots: the start-up transient, which a queue in its steady state does not pay).
     path, backend: as in `GenerateResult`. max_batch_size: S. cache_len: positions per slot's
       cache (with paged caches: the capacity before rounding to whole pages).
     kv: "contiguous" or "paged". num_pages, page_size: the pool (None for contiguous caches).
@@ -227,7 +228,7 @@ class _Run:
     self.compile_seconds += seconds
 
   def refilled(self, seconds: float):
-    """A refill took `seconds`; before the first chunk it fills the empty slots."""
+    """A boundary's refills took `seconds`; before the first chunk they fill the empty slots."""
     self.refill_seconds += seconds
     if self.chunks == 0:
       self.fill_seconds += seconds

@@ -139,6 +139,22 @@ def _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk):
   return target.logits(last), cache, context
 
 
+def _packed_prefill_forward(target, draft, tokens, prompt_lens, cache, context):
+  """`_prefill_forward` of B prompts packed one after another into [N] `tokens` (prompt b the
+  next ``prompt_lens[b]`` tokens, each >= 1; tokens past them are padding): one pass of
+  `TargetModel.packed_prefill`, whose attention keeps to each prompt, so its work follows the
+  prompts' tokens rather than B times the longest. -> (logits [B, V] at each row's last prompt
+  token, cache, context)."""
+  size = tokens.shape[0]
+  rows, positions, _ = packing.pack(prompt_lens, size)
+  tokens = jnp.where(rows < prompt_lens.shape[0], tokens, 0)
+  hidden, features, cache = target.packed_prefill(tokens, rows, positions, prompt_lens, cache)
+  if draft is not None:
+    context = draft.extend_context(features, positions, context, rows=rows)
+  last = jnp.cumsum(prompt_lens.astype(jnp.int32)) - 1
+  return target.logits(hidden[last]), cache, context
+
+
 def schedule_entries(schedule, batch: int, gamma: int) -> dict:
   """The loop state a verify-length schedule adds for `batch` rows: its own state
   (``schedule.init``) and ``row_verified``, [batch] int32 tokens verified so far (zeros)."""
@@ -148,19 +164,25 @@ def schedule_entries(schedule, batch: int, gamma: int) -> dict:
 
 def _prefill(target, draft, prompt, prompt_lens, max_new, rows, stop_ids, key, cache_len, out_len,
              stop_seqs=None, schedule=None, trace=False, cache=None, context=None,
-             chunk=PREFILL_CHUNK):
+             chunk=PREFILL_CHUNK, packed=False):
   """Runs the prompts, samples the first token, builds the initial loop state.
 
   `cache`/`context` (optional): the target's and the draft's caches to write the prompts into
   (e.g. paged ones whose tables hold these rows' pages); None builds contiguous ones of
   `cache_len` positions. `chunk`: positions per prefill pass (`_prefill_forward`; None: the whole
-  prompt in one pass)."""
-  batch = prompt.shape[0]
+  prompt in one pass). `packed` (static): `prompt` is the B prompts packed into [N] tokens
+  (`_packed_prefill_forward`; `chunk` unused) rather than right-padded [B, T]."""
+  batch = prompt_lens.shape[0]
   if cache is None:
     cache = tm.init_cache(target.config, batch, cache_len)
   if draft is not None and context is None:
     context = draft.init_context(batch, cache_len)
-  last, cache, context = _prefill_forward(target, draft, prompt, prompt_lens, cache, context, chunk)
+  if packed:
+    last, cache, context = _packed_prefill_forward(target, draft, prompt, prompt_lens, cache,
+                                                   context)
+  else:
+    last, cache, context = _prefill_forward(target, draft, prompt, prompt_lens, cache, context,
+                                            chunk)
   keys = sampling.row_keys(key, rows["seeds"], prompt_lens, sampling.Stream.TARGET)
   first = target_law.sample_target_tokens(last, rows["greedy"], rows["temperature"], rows["top_k"],
                                           rows["top_p"], keys)

@@ -5,14 +5,16 @@ This module owns the device side of `decoding.queue.Engine` and the host arrays 
 * the state of S idle slots (`_empty_state`, `_trace_buffers`): the loop state of `loop.iteration`
   with every per-row entry (leading axis S) zeroed and done, the global entries (`GLOBAL_KEYS`)
   fresh; the caches (`CACHE_KEYS`) are written only through `SlotCaches`;
-* the *refill* (`_refill_program`): prefills K new prompts (right-padded to a length bucket T, K a
-  power of two up to S, so one program per (K, T) bucket and never one per prompt length; a group
+* the *refill* (`_refill_program`): prefills K new prompts with the same `rounds._prefill` as
+  `generate`, either packed one after another into N tokens (`_pack_prompts`: N one of a few
+  sizes, so one program per (K, N) and never one per prompt length; each prompt attends to
+  itself only, so the work follows the prompts' tokens) or, where packing does not apply,
+  right-padded to a length bucket T (K a power of two up to S, one program per (K, T); a group
   wider than ``prefill_chunk`` positions is padded to the most whole passes of that many a slot
-  holds, so all such groups of K rows share one program: `_group_prompts`) with the
-  same `rounds._prefill` as `generate`, and writes their rows into the chosen slots (`SlotCaches`
-  for the caches, a scatter for every other per-row array: tokens, counts, flags, per-row sampling
-  parameters, budgets, stop ids and sequences); a resumed (preempted) row takes its saved state
-  (`_saved_rows`) and recomputes only its caches;
+  holds, so all such groups of K rows share one program: `_group_prompts`), and writes their rows
+  into the chosen slots (`SlotCaches` for the caches, a scatter for every other per-row array:
+  tokens, counts, flags, per-row sampling parameters, budgets, stop ids and sequences); a resumed
+  (preempted) row takes its saved state (`_saved_rows`) and recomputes only its caches;
 * the *chunk* (`_chunk_program`): a `lax.while_loop` of the usual iterations (`loop.iteration`)
   that runs until ``rounds_per_call`` iterations have run, every slot is idle, or at least
   ``need`` slots are free (``need`` = min(``refill_at``, prompts still queued); with the queue
@@ -29,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding import loop
+from dspark_jax.decoding import packing
 from dspark_jax.decoding.requests import MIN_BUCKET, bucket
 from dspark_jax.decoding.rounds import _prefill, schedule_entries
 from dspark_jax.paging import cache as paging
@@ -91,8 +94,9 @@ def _admit(state, inputs, fresh, new_inputs, slots, table=None):
 
 def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_lens, new_inputs,
                     slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len,
-                    prefill_chunk):
-  """Prefills K prompts ([K, T]) and admits them into `slots` (module docstring).
+                    prefill_chunk, packed=False):
+  """Prefills K prompts ([K, T]; `packed`: [N] tokens of the K prompts one after another,
+  `_pack_prompts`) and admits them into `slots` (module docstring).
 
   Paged caches (`table`: the host's [S, max_pages] block table, else None): the prefill writes
   through the slots' table rows. `saved` (per-row state entries, [K, ...] each, or None) and
@@ -107,7 +111,8 @@ def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_len
               for name in CACHE_KEYS if name in state}
   fresh = _prefill(target, draft, prompt, prompt_lens, new_inputs["max_new"], new_inputs["rows"],
                    new_inputs["stop_ids"], key, cache_len, out_len, new_inputs["stop_seqs"],
-                   cache=caches.get("cache"), context=caches.get("context"), chunk=prefill_chunk)
+                   cache=caches.get("cache"), context=caches.get("context"), chunk=prefill_chunk,
+                   packed=packed)
   if saved is not None:
     fresh = dict(fresh)
     for name, value in saved.items():
@@ -153,22 +158,29 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *,
   return state, i, busy
 
 
-def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
-  """The [K, T] tokens and [K] lengths a refill prefills: each prompt, or for a resumed one its
-  prompt and committed tokens but the last (its anchor), right-padded to a length bucket T: the
-  power of two at least the longest (and `MIN_BUCKET`), at most `cache_len`. Where that is over
-  `chunk`, T is the most whole passes of `chunk` a slot holds instead: a chunked prefill's passes
-  follow the longest row, so the padding costs nothing, every such refill of K rows is one
-  program, and that program compiles one pass body (a partial last pass, needed only when the
-  longest row reaches past the whole passes, would be a second copy of the forward)."""
-  rows, row_lens = [], []
+def _row_tokens(padded, lens, index, saved):
+  """The tokens each refill row prefills: its prompt, or for a resumed one its prompt and
+  committed tokens but the last (its anchor)."""
+  rows = []
   for i in (int(i) for i in index):
     tokens = padded[i, :lens[i]]
     if i in saved:
       count = int(saved[i]["count"])
       tokens = np.concatenate([tokens, np.asarray(saved[i]["out"][:count - 1], np.int32)])
     rows.append(tokens)
-    row_lens.append(tokens.size)
+  return rows
+
+
+def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
+  """The [K, T] tokens and [K] lengths a refill prefills (`_row_tokens`), right-padded to a
+  length bucket T: the power of two at least the longest (and `MIN_BUCKET`), at most
+  `cache_len`. Where that is over `chunk`, T is the most whole passes of `chunk` a slot holds
+  instead: a chunked prefill's passes follow the longest row, so the padding costs nothing, every
+  such refill of K rows is one program, and that program compiles one pass body (a partial last
+  pass, needed only when the longest row reaches past the whole passes, would be a second copy of
+  the forward)."""
+  rows = _row_tokens(padded, lens, index, saved)
+  row_lens = [tokens.size for tokens in rows]
   longest = max(row_lens)
   width = min(bucket(longest, MIN_BUCKET), cache_len)
   if chunk is not None and width > chunk:
@@ -178,6 +190,16 @@ def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
   for r, tokens in enumerate(rows):
     group[r, :tokens.size] = tokens
   return group, np.asarray(row_lens, lens.dtype)
+
+
+def _pack_prompts(padded, lens, index, saved, real: int, limit: int):
+  """The refill's prompts (`_row_tokens`) packed one after another (`packing.pack_prompts`;
+  `rounds._packed_prefill_forward`), or None where they would pass `limit` tokens. Rows past the
+  first `real` (a group's padding, dropped on admission) get one token each rather than a copy
+  of a prompt."""
+  rows = _row_tokens(padded, lens, index[:real], saved)
+  packed = packing.pack_prompts(rows + [rows[0][:1]] * (len(index) - real), limit)
+  return None if packed is None else (packed[0], packed[1].astype(lens.dtype))
 
 
 def _saved_rows(index, saved, state, light_keys):

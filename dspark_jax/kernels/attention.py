@@ -37,6 +37,12 @@ positions, `models.layers.CacheUpTo`); elsewhere the prefill attends over its ca
 `benchmarks/bench_flash.py --chunk` times the two parts (``cudnn_parts``) against the ragged
 kernel over the cache.
 
+`attend_segments` is a packed prefill's attention (`models.target.TargetModel.packed_prefill`:
+several fresh prompts one after another in one row, each attending to itself only): cuDNN's flash
+attention in its packed layout (per-segment offsets and lengths) on a GPU, the einsum form with a
+segment mask elsewhere up to `SEGMENT_XLA_MAX` tokens; `choose_segments` says which, or None
+(the caller then pads its prompts instead).
+
 `attend_cached` is the draft block's attention: the γ block queries over the first ``anchor_pos``
 slots of the context cache and over the block itself, as two softmax parts joined through their
 maxima and sums, so the context cache is read in place rather than concatenated with the block's
@@ -223,6 +229,83 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                                  scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.CAUSAL,
                                  qkv_layout="BNTH")
   return jnp.swapaxes(out, 1, 2)
+
+
+SEGMENT_XLA_MAX = 2048
+"""Most packed tokens the einsum form of `attend_segments` takes: it holds [N, heads, N] float32
+scores, so past this a caller packs only where cuDNN runs (`choose_segments`)."""
+
+
+def choose_segments(q, implementation: str | None = None, platform: str | None = None
+                    ) -> str | None:
+  """``"cudnn"`` or ``"xla"``: the form of `attend_segments` for packed queries `q` [1, N, H, D],
+  or None where neither should run (the caller then prefills row by row). cuDNN's packed
+  (segment) flash attention where ``auto`` or ``cudnn`` is requested and `cudnn_precondition`
+  holds; else the einsum form up to `SEGMENT_XLA_MAX` tokens."""
+  requested = _requested(implementation)
+  if requested in ("auto", "cudnn", "ragged") and not cudnn_precondition(
+      q.dtype, q.shape[-1], platform):
+    return "cudnn"
+  return "xla" if q.shape[1] <= SEGMENT_XLA_MAX else None
+
+
+def segment_offsets(lengths: jax.Array) -> jax.Array:
+  """[M] segment lengths -> [M + 1] int32 offsets of the segments packed one after another."""
+  lengths = lengths.astype(jnp.int32)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)])
+
+
+def segment_mask(lengths: jax.Array, tokens: int) -> jax.Array:
+  """[N, N] bool: packed token i sees token j iff both lie in the same segment and j <= i
+  (`lengths` [M] packed one after another from token 0; tokens past them see nothing)."""
+  ends = jnp.cumsum(lengths.astype(jnp.int32))
+  index = jnp.arange(tokens, dtype=jnp.int32)
+  segment = jnp.searchsorted(ends, index, side="right")              # M past the last segment
+  inside = segment < lengths.shape[0]
+  return ((segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
+          & inside[:, None])
+
+
+def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                    implementation: str | None = None) -> jax.Array:
+  """Causal attention within segments of packed tokens: [1, N, H, D] queries over their own
+  token-major [1, N, K, D] keys/values, where segment m is ``lengths[m]`` consecutive tokens
+  (segments one after another from token 0) and token i sees the tokens of its own segment up to
+  itself -> [1, N, H, D]; tokens past the segments get zeros.
+
+  The prefill of several prompts packed into one row (`models.target.TargetModel.packed_prefill`):
+  each segment is attended exactly as `attend_causal` attends a prompt alone. On a GPU, cuDNN's
+  flash attention in its packed layout (per-segment offsets and lengths, causal mask), whose
+  scratch is a tile of scores; elsewhere the einsum form with `segment_mask` ([N, N] scores:
+  `choose_segments` keeps it to `SEGMENT_XLA_MAX` tokens). Preconditions: every length >= 1
+  and their sum <= N."""
+  chosen = choose_segments(q, implementation)
+  if chosen == "cudnn":
+    return _segments_cudnn(q, k, v, lengths)
+  mask = segment_mask(lengths, q.shape[1])
+  return attend_xla(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask[None])
+
+
+SEGMENT_REPEAT_KV = True
+"""cuDNN's packed layout takes keys/values with the queries' head count (JAX scales both offset
+arrays by the query heads' stride), so `_segments_cudnn` repeats each key/value head."""
+
+
+def _segments_cudnn(q, k, v, lengths):
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  _, _, n, d = q.shape
+  if SEGMENT_REPEAT_KV and k.shape[2] != n:
+    k, v = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
+  lengths = lengths.astype(jnp.int32)[None]
+  offsets = segment_offsets(lengths[0])[None]
+  packed = {}
+  if lengths.shape[1] > 1:  # one segment from token 0 is plain causal attention (no packing)
+    packed = dict(q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets)
+  out = fa.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), **packed,
+                                 scale=1.0 / float(d) ** 0.5, mask_type=fa.MaskType.CAUSAL,
+                                 qkv_layout="BTNH")
+  inside = jnp.arange(q.shape[1]) < offsets[0, -1]
+  return jnp.where(inside[None, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 # What cuDNN's softmax statistics are, read in jax 0.10.2's

@@ -150,7 +150,8 @@ class DSparkDraft(nnx.Module):
     """[B, T, F] target features -> [B, T, E] projected, normalised context states."""
     return self.context_norm(self.fc(features))
 
-  def extend_context(self, features: jax.Array, positions: jax.Array, context: dict) -> dict:
+  def extend_context(self, features: jax.Array, positions: jax.Array, context: dict,
+                     rows: jax.Array | None = None) -> dict:
     """Writes the context keys/values of [B, T] consecutive `positions` into the cache.
 
     Args:
@@ -158,20 +159,32 @@ class DSparkDraft(nnx.Module):
       positions: [B, T] int absolute positions, consecutive within a row.
       context: the cache from `init_context` or a previous call, or a paged context
         (`dspark_jax.paging.cache.paged_context`: written through its block table).
+      rows: None, or packed tokens (`TargetModel.packed_prefill`): then `features` is [N, F],
+        `positions` [N] and token i is written at (``rows[i]``, ``positions[i]``); a row out of
+        range (a padding token) writes nothing.
     """
+    packed = rows is not None
+    if packed:
+      features, positions = features[None], positions[None]
     states = self.context_inputs(features)
     start = positions[:, 0]
     paged = isinstance(context, paging.PagedKV)
-    rows = jnp.broadcast_to(jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None],
-                            positions.shape)
+    if not packed:
+      rows = jnp.broadcast_to(jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None],
+                              positions.shape)
     out = {"k": [], "v": []}
     for i, layer in enumerate(self.layers):
       kv = dict(zip("kv", layer.attention.keys_values(states, positions)))
       for name in "kv":
         pools = getattr(context, name) if paged else context[name]
         if paged:
-          out[name].append(layout.constrain_pool(
-              paging.write(pools[i], context.table, rows, positions, kv[name]), self.plan))
+          new = paging.write(pools[i], context.table, rows, positions[0] if packed else positions,
+                             kv[name][0] if packed else kv[name])
+          out[name].append(layout.constrain_pool(new, self.plan))
+        elif packed:
+          new = pools[i].at[rows, :, positions[0]].set(kv[name][0].astype(pools[i].dtype),
+                                                       mode="drop")
+          out[name].append(layout.constrain_cache(new, self.plan))
         else:
           out[name].append(layout.constrain_cache(layers.write_heads(pools[i], kv[name], start),
                                                   self.plan))

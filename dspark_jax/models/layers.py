@@ -363,6 +363,14 @@ class Attention(nnx.Module):
                                                     source.limits)
     return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
 
+  def attend_segments(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                      source: "Segments") -> jax.Array:
+    """Causal attention of packed [1, N, N_heads, D] queries over their own token-major
+    [1, N, K, D] keys/values within `source`'s segments (`kernels.attention.attend_segments`)."""
+    _, t, n, d = q.shape
+    out = attention.attend_segments(q, k, v, source.lengths)
+    return self.o_proj(out.reshape(1, t, n * d))
+
   def attend_paged(self, q: jax.Array, source: "PagedUpTo") -> jax.Array:
     """Attention of [B, T, N, D] queries (or packed [1, N', N, D] ones, when `source` has rows)
     over a paged cache read through its block table (`kernels.paged_attention.attend_paged`)."""
@@ -427,6 +435,16 @@ class CacheUpTo:
   limits: jax.Array
   fresh: bool = False
   start: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """What packed prompts attend to in a fresh prefill (`TargetModel.packed_prefill`): each token
+  the tokens of its own segment up to itself, segment m being ``lengths[m]`` ([M] int) consecutive
+  packed tokens, one segment after another from token 0. The layer's keys/values are also written
+  to a cache (`aux`), which this attention does not read."""
+
+  lengths: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,12 +528,13 @@ class DecoderLayer(nnx.Module):
   """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU -> residual.
 
   The caller says what to attend to (`__call__` takes a function that maps this layer's own
-  keys/values to a `Full`, `CacheUpTo`, `PackedCache`, `PagedUpTo` or `CachePrefix` (or
-  `PagedPrefix`, `SharedPrefix`) source), so the same layer serves the target (causal attention
-  over its KV cache, `CacheUpTo`; packed verify tokens, `PackedCache`; a paged cache,
-  `PagedUpTo`; without a cache, `Full`) and the draft (its context cache read in place plus the
-  bidirectional block, `CachePrefix`, `PagedPrefix` over a paged context, or `SharedPrefix` for
-  training's blocks sharing their sequence's context).
+  keys/values to a `Full`, `CacheUpTo`, `PackedCache`, `Segments`, `PagedUpTo` or
+  `CachePrefix` (or `PagedPrefix`, `SharedPrefix`) source), so the same layer serves the target
+  (causal attention over its KV cache, `CacheUpTo`; packed verify tokens, `PackedCache`; packed
+  fresh prompts, `Segments`; a paged cache, `PagedUpTo`; without a cache, `Full`) and the draft
+  (its context cache read in place plus the bidirectional block, `CachePrefix`, `PagedPrefix`
+  over a paged context, or `SharedPrefix` for training's blocks sharing their sequence's
+  context).
   """
 
   def __init__(self, shape: LayerShape, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -542,6 +561,8 @@ class DecoderLayer(nnx.Module):
       x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
     elif isinstance(source, PackedCache):
       x = x + self.attention.attend_packed(q, source)
+    elif isinstance(source, Segments):
+      x = x + self.attention.attend_segments(q, k, v, source)
     elif isinstance(source, PagedUpTo):
       x = x + self.attention.attend_paged(q, source)
     else:

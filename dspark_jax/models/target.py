@@ -275,6 +275,44 @@ class TargetModel(nnx.Module):
     logits, features, kv = self._run(tokens[None], positions[None], gather_kv)
     return logits[0], features[0], {"k": kv[0], "v": kv[1]}
 
+  def packed_prefill(self, tokens: jax.Array, rows: jax.Array, positions: jax.Array,
+                     lengths: jax.Array, cache) -> tuple[jax.Array, jax.Array, object]:
+    """Prefills B prompts packed one after another into one row of N tokens: the refill whose
+    work follows the prompts' tokens, not B times the longest (`decoding.slots`).
+
+    Prompt b is ``lengths[b]`` consecutive packed tokens, the prompts in row order from token 0;
+    token i is position ``positions[i]`` (0-based) of row ``rows[i]`` (B marks a padding token past
+    the prompts: nothing is written for it). Each token attends to its own prompt's tokens up to
+    itself (`layers.Segments`; nothing of the cache is read), so every row's result is that of a
+    fresh prefill of its prompt alone (`__call__` with ``fresh=True``), and its keys/values are
+    written at (row, position) of `cache`.
+
+    Args:
+      tokens, rows, positions: [N] int. lengths: [B] int, each >= 1, summing to at most N.
+      cache: from `init_cache` (B rows), or a paged cache (`dspark_jax.paging.cache.PagedKV` with
+        B table rows).
+
+    Returns:
+      final-normed hidden states [N, E], features [N, len(feature_layers) * E], the updated
+      cache.
+    """
+    source = layers.Segments(lengths.astype(jnp.int32))
+    paged = isinstance(cache, paging.PagedKV)
+
+    def gather_kv(i, k, v):
+      if paged:
+        kv = tuple(layout.constrain_pool(paging.write(pool[i], cache.table, rows, positions, x[0]),
+                                         self.plan) for pool, x in ((cache.k, k), (cache.v, v)))
+      else:
+        kv = tuple(layout.constrain_cache(pool[i].at[rows, :, positions].set(
+            x[0].astype(pool[i].dtype), mode="drop"), self.plan)
+            for pool, x in ((cache["k"], k), (cache["v"], v)))
+      return source, kv
+    hidden, features, kv = self._run(tokens[None], positions[None], gather_kv, head=False)
+    cache = (dataclasses.replace(cache, k=kv[0], v=kv[1]) if paged
+             else {"k": kv[0], "v": kv[1]})
+    return hidden[0], features[0], cache
+
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _logits_program(state, tokens, *, graphdef):
