@@ -1,21 +1,29 @@
-"""The packed verify: the target checks only the tokens a schedule chose, packed into a token bucket.
+"""Packed tokens: the verify of the tokens a schedule chose, and the prefill of prompts of different
+lengths, each packed into one of a few static token counts.
 
-This module owns how a round's verify tokens are packed. With a verify-length schedule each row r
-sends its anchor and ℓ_r drafts, ``count_r = 1 + ℓ_r`` tokens (0 for a finished row), instead of
-γ + 1. The N = Σ_r count_r tokens are packed row after row into the smallest of a few static token
-buckets (`token_buckets`), one compiled branch each (`lax.switch`), so the forward's token-wise
-work (projections, MLP, LM head) follows N and no N recompiles. Each packed token carries its row
-and position: it attends to its row's cache up to its own position (the row's earlier verify
-tokens included) and writes its keys/values at that position only (`TargetModel.packed`). The
-largest bucket, every row whole, is the dense forward itself (it writes every row's W slots; those
-past a row's count lie past its committed length, so later rounds overwrite them before they are
-read). The
-logits and target features come back in the dense [B, γ + 1] layout that verification and the
-draft's context read; slots past a row's count hold zeros, which verification never reads (a row's
-accepted run is capped at its verify length) and the context cache overwrites before it reads.
+This module owns how tokens are packed. A round's verify tokens: with a verify-length schedule
+each row r sends its anchor and ℓ_r drafts, ``count_r = 1 + ℓ_r`` tokens (0 for a finished row),
+instead of γ + 1. The N = Σ_r count_r tokens are packed row after row into the smallest of a few
+static token buckets (`token_buckets`), one compiled branch each (`lax.switch`), so the forward's
+token-wise work (projections, MLP, LM head) follows N and no N recompiles. Each packed token
+carries its row and position: it attends to its row's cache up to its own position (the row's
+earlier verify tokens included) and writes its keys/values at that position only
+(`TargetModel.packed`). The largest bucket, every row whole, is the dense forward itself (it
+writes every row's W slots; those past a row's count lie past its committed length, so later
+rounds overwrite them before they are read). The logits and target features come back in the
+dense [B, γ + 1] layout that verification and the draft's context read; slots past a row's count
+hold zeros, which verification never reads (a row's accepted run is capped at its verify length)
+and the context cache overwrites before it reads.
 
 `pack` is the layout: packed slot i belongs to the row whose run of counts covers it; padding
 slots past N carry row B, which every scatter drops and every gather fills with zeros.
+
+Prompts (`pack_prompts`): B prompts one after another, padded to `prompt_size` tokens, prefilled in
+one pass in which each attends to itself only (`rounds._packed_prefill_forward`,
+`TargetModel.packed_prefill`), so a prefill's work follows the prompts' tokens rather than B times
+the longest. `packs` says whether the packed attention runs for a size, `prompt_limit` how many
+tokens one pass may take; the callers (`generate`'s fixed batch, the queue's refills) pad where
+either says no.
 """
 
 from __future__ import annotations
