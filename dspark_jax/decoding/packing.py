@@ -57,7 +57,7 @@ def token_buckets(batch: int, width: int) -> tuple[int, ...]:
 
 
 PROMPT_UNIT = 256
-"""Packed prompts come in sizes of this many tokens times 1, 2, 3, 4, 6, 8, 12, ... (`prompt_size`)."""
+"""Packed prompts come in sizes of this many tokens times 1, 2, 3, 4, 6, 8, ... (`prompt_size`)."""
 
 
 def prompt_size(total: int, unit: int = PROMPT_UNIT) -> int:
