@@ -66,7 +66,6 @@ from dspark_jax.sampling import params as sp
 __all__ = ["Engine", "PromptResult", "QueueResult"]
 
 
-
 def _check_positive(name: str, value) -> int:
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

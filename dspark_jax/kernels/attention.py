@@ -239,7 +239,7 @@ scores, so past this a caller packs only where cuDNN runs (`choose_segments`).""
 def choose_segments(q, implementation: str | None = None, platform: str | None = None
                     ) -> str | None:
   """``"cudnn"`` or ``"xla"``: the form of `attend_segments` for packed queries `q` [1, N, H, D],
-  or None where neither should run (the caller then prefills row by row). cuDNN's packed
+  or None where neither should run (the caller then pads its prompts instead). cuDNN's packed
   (segment) flash attention where ``auto`` or ``cudnn`` is requested and `cudnn_precondition`
   holds; else the einsum form up to `SEGMENT_XLA_MAX` tokens."""
   requested = _requested(implementation)
@@ -286,15 +286,12 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
   return attend_xla(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask[None])
 
 
-SEGMENT_REPEAT_KV = True
-"""cuDNN's packed layout takes keys/values with the queries' head count (JAX scales both offset
-arrays by the query heads' stride), so `_segments_cudnn` repeats each key/value head."""
-
-
 def _segments_cudnn(q, k, v, lengths):
+  """`attend_segments` through cuDNN. Keys/values are repeated to the queries' head count: JAX
+  scales both offset arrays by the query heads' stride."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
   _, _, n, d = q.shape
-  if SEGMENT_REPEAT_KV and k.shape[2] != n:
+  if k.shape[2] != n:
     k, v = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
   lengths = lengths.astype(jnp.int32)[None]
   offsets = segment_offsets(lengths[0])[None]
