@@ -16,7 +16,10 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   `dj.generate` calls of S prompts each (a batch runs until its longest row ends), in the same run
   on the same prompts. Reported: occupancy (busy slot-iterations over all
   slot-iterations; for the static batches, Σ rounds per row over S × the batch's rounds), tokens/s
-  of each (compilation excluded), and their ratio.
+  of each (compilation excluded), and their ratio; the occupancy of an ideal queue on the same
+  work (`ideal_occupancy`: the drain at the end, where the last long rows run alone, bounds every
+  queue) and the queue's share of it; and the queue's occupancy while saturated (the same prompts
+  with ``drain=False``: the run ends when the queue has emptied and a row finished).
 * **Memory** (``memory``): concurrent rows in one KV budget. ``--memory-prompts`` prompts (default
   32 per contiguous slot) with output lengths log-uniform in ``--memory-lengths`` (default 32..8192,
   mean ~1.47k; the issue's rows of up to 8k averaging 1.5k) through ``--memory-rows`` contiguous
@@ -397,20 +400,23 @@ def occupancy_study(work: Workload, args) -> dict:
     queue_run(engine, prompts[:warm], budgets[:warm], args.temperature)
     static_run(work.target, work.draft, prompts[:warm], budgets[:warm], args.temperature,
                args.slots)
-  queue, static = [], []
-  for _ in range(args.repeats):   # interleaved, so both see the same machine state
+  queue, static, steady = [], [], []
+  for _ in range(args.repeats):   # interleaved, so all see the same machine state
     queue.append(queue_run(engine, prompts, budgets, args.temperature))
     static.append(static_run(work.target, work.draft, prompts, budgets, args.temperature,
                              args.slots))
-  q, s = _median_by_rate(queue), _median_by_rate(static)
+    steady.append(queue_run(engine, prompts, budgets, args.temperature, drain=False))
+  q, s, st = _median_by_rate(queue), _median_by_rate(static), _median_by_rate(steady)
   bound = ideal_occupancy(budgets, args.slots, q.get("tau") or 1.0)
   print(f"occupancy, S={args.slots}: queue {q['occupancy']:.3f} at {q['tokens_per_s']:.0f} "
-        f"tokens/s (an ideal queue: {bound:.3f}); static batches {s['occupancy']:.3f} at "
-        f"{s['tokens_per_s']:.0f} tokens/s", flush=True)
+        f"tokens/s (an ideal queue: {bound:.3f}, so {q['occupancy'] / bound:.3f} of it; "
+        f"while saturated {st['occupancy']:.3f} at {st['tokens_per_s']:.0f} tokens/s); static "
+        f"batches {s['occupancy']:.3f} at {s['tokens_per_s']:.0f} tokens/s", flush=True)
   return {"slots": args.slots, "prompts": args.prompts, "lengths": [low, high],
           "mean_length": float(budgets.mean()), "queue": q, "static": s, "ideal_occupancy": bound,
+          "of_ideal": q["occupancy"] / bound, "steady": st,
           "speedup": q["tokens_per_s"] / max(s["tokens_per_s"], 1e-12),
-          "queue_repeats": queue, "static_repeats": static}
+          "queue_repeats": queue, "static_repeats": static, "steady_repeats": steady}
 
 
 # ---- concurrent rows in the same memory -------------------------------------------------------
@@ -662,6 +668,7 @@ def main(argv=None) -> int:
     occ = occupancy_study(work, args)
     results["occupancy"] = occ
     for label, r, ratio in (("queue", occ["queue"], f"{occ['speedup']:.2f}x"),
+                            ("queue, saturated", occ["steady"], "–"),
                             ("static", occ["static"], "1.00x")):
       rows.append([f"occupancy ({label})", str(occ["slots"]), "fixed", f"{r['tokens_per_s']:.0f}",
                    harness.cell(r.get("per_user_tokens_per_s")), harness.cell(r.get("tau"), 2),

@@ -54,6 +54,20 @@ if os.environ.get("DSPARK_TEST_GPU") != "1" and "xla_cpu_multi_thread_eigen" not
 os.environ.pop("DSPARK_JAX_BACKEND", None)
 os.environ.pop("DSPARK_JAX_FOLDED_SAMPLING", None)
 os.environ.pop("DSPARK_JAX_ATTENTION", None)
+# One persistent compilation cache for the whole run, in a fresh directory (nothing carries over
+# between runs): a program compiled in one process (a pytest-xdist worker, a notebook's kernel,
+# the CLI in a subprocess) is loaded, not compiled again, by the others. JAX keys each entry by
+# the program, its compile options and XLA's flags, so no test sees another program than it
+# would compile itself. The first process to import this file (pytest's controller) makes the
+# directory; the workers and subprocesses inherit the variables.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _cache_dir = tempfile.mkdtemp(prefix="dspark_test_xla_cache_")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 def pytest_collection_modifyitems(config, items):
