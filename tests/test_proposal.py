@@ -260,25 +260,26 @@ def test_every_folded_form_agrees_with_the_loop(kind, backend, config):
 @pytest.mark.slow
 def test_pallas_form_block_law(kind, temperature, config):
   # The kernel form's own law (on a GPU its arithmetic differs from XLA's; on the CPU it runs in the
-  # interpreter). N = 60,000 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so
+  # interpreter). N = 59,904 sampled rows (+ 4,096 greedy rows), V = 48 (three 16-column tiles, so
   # the two-level draw crosses tiles), γ = 2: the law of (x1, x2) over 2,304 outcomes. Statistic:
   # Pearson chi-square (bins with expected count < 5 pooled) against the enumerated float64 law;
   # threshold p >= 1e-3. Power: the law at 1.15 x the temperature must be rejected (p < 1e-6).
-  # The 64,096 rows are drafted in 32 calls of 2,003 rows (the same rows, seeds, positions and key;
+  # The 64,000 rows are drafted in 128 calls of 500 rows (the same rows, seeds, positions and key;
   # a row's draws depend on (key, seed, position) only, test_rows_are_independent_of_batch_composition,
-  # so these are the tokens one 64,096-row call draws, up to the last bits of the arithmetic, which
+  # so these are the tokens one 64,000-row call draws, up to the last bits of the arithmetic, which
   # depend on the compiled program: every chunk samples the same law). Each call still has >= 64
   # rows, so the kernel's settings are those of the large batch (64-row blocks, the last one partly
   # masked; without TILE_DRAWS the token choice draws). Why: in the interpreter every instance of
   # a kernel's grid (one per 64-row block, one per row in `draw_tokens`) handles whole arrays, so
-  # its time grows as rows²: one 64,096-row call took 60-200 s on 2 CPU cores, the 32 take ~5 s.
-  vocab, gamma, rank, hidden, n, greedy_n = 48, 2, 16, 3, 60_000, 4_096
+  # its time grows as rows²: one 64,096-row call took 60-200 s on 2 CPU cores; 32 calls of 2,003
+  # rows ~10 s, these 128 calls of 500 rows half that.
+  vocab, gamma, rank, hidden, n, greedy_n = 48, 2, 16, 3, 59_904, 4_096
   arrays = helpers.head_arrays(kind, vocab, rank, hidden, seed=5, scale=1.5)
   head = dj.markov_head_from_arrays(kind, arrays)
   rng = np.random.default_rng(6)
   base = rng.normal(0, 1.5, (gamma, vocab)).astype(np.float32)
   h = rng.normal(0, 1.0, (gamma, hidden)).astype(np.float32)
-  anchor, rows, chunk = 3, n + greedy_n, 2_003
+  anchor, rows, chunk = 3, n + greedy_n, 500
   assert rows % chunk == 0 and chunk >= dispatch.TILE_DRAWS_BELOW_BATCH
   params = dj.SamplingParams(temperature=np.r_[np.zeros(greedy_n), np.full(n, temperature)],
                              seed=np.arange(rows))
