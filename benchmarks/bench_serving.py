@@ -47,7 +47,8 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   tokens/s without the refills that filled the empty slots at the start (``fill_s``: the start-up
   transient, which a queue in its steady state does not pay),
   the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
-  verify tokens, plus the measured refills and host work; measured / model in the table) and the
+  verify tokens, interpolated between its buckets, plus the measured refills and host work;
+  measured / model in the table; `model_tokens_per_s`) and the
   compilation's seconds apart (the warm-up's and any in the measured runs, which the queue's
   clock leaves out).
 
@@ -476,14 +477,19 @@ def memory_study(work: Workload, args) -> dict:
 
 def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
   """The cost model's tokens/s for a run: its tokens over the rounds' modelled seconds plus its
-  measured refills (prefills) and host work between chunks. The rounds run at the round table's
-  rate at the tokens they verify (busy rows = occupancy × c, times verify tokens per row) and make
-  busy rows × τ tokens each. None without a table (plain decoding)."""
+  measured refills (prefills) and host work between chunks. The rounds make busy rows × τ tokens
+  each (busy rows = occupancy × c) and verify busy rows × verify tokens per row on average. A
+  round runs in the bucket that holds its own tokens, and rounds spread around the mean, so their
+  mean rate lies between the rates of the buckets around it: the model takes the rate
+  interpolated linearly at the mean. `table`: (bucket sizes ascending, their rounds/s), the rate
+  of a bucket being that of the fastest size at least as large (`ProfileResult.dense`); None
+  (plain decoding): None."""
   if table is None:
     return None
+  sizes, rates = (np.asarray(a, np.float64) for a in table)
   rows = max(r["occupancy"] * concurrency, 1e-9)
-  tokens = int(np.clip(round(rows * r["verify_tokens"]), 1, len(table) - 1))
-  rounds_s = r["tokens"] / (rows * r["tau"] * float(table[tokens]))
+  rate = float(np.interp(rows * r["verify_tokens"], sizes, rates))
+  rounds_s = r["tokens"] / (rows * r["tau"] * rate)
   return r["tokens"] / (rounds_s + r.get("refill_s", 0.0) + r.get("host_s", 0.0))
 
 
@@ -576,7 +582,8 @@ def throughput_study(work: Workload, args) -> list[dict]:
       start = time.perf_counter()
       profile = dj.profile_sps(work.target, work.draft, batch_size=c, context=context,
                                repeats=args.repeats, steps=4, draft_cost=True)
-      table = profile.dense()
+      sizes = profile.batch_tokens.astype(np.int64)
+      table = (sizes, profile.dense()[sizes])   # each bucket at its fastest packing's rate
       print(f"c={c}: rounds/s per verify bucket {profile.table()} "
             f"({time.perf_counter() - start:.1f} s)", flush=True)
       options = {"fixed": dj.schedules.fixed,

@@ -98,18 +98,21 @@ def test_output_lengths_follow_the_stated_law():
 
 
 def test_the_cost_model_counts_busy_rows_their_verify_tokens_and_tau():
-  # 16 slots at occupancy 0.5: 8 busy rows verifying 3 tokens each = 24 tokens, whose round rate
-  # in the table is 50/s; τ 2.5: 8 · 2.5 · 50 = 1000 tokens/s while rounds run, so 2000 tokens
-  # take 2 s of rounds; with 0.5 s of measured refills, 2000 / 2.5 = 800 tokens/s, and with 0.5 s
-  # of host work besides, 2000 / 3 tokens/s. No table (plain decoding): None.
-  table = np.zeros(129)
-  table[1:] = 100.0
-  table[17:] = 50.0
-  run = {"occupancy": 0.5, "verify_tokens": 3.0, "tau": 2.5, "tokens": 2000}
-  assert bench_serving.model_tokens_per_s(run, 16, table) == pytest.approx(1000.0)
-  assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5), 16, table) == pytest.approx(800.0)
+  # 16 slots at occupancy 0.5: 8 busy rows verifying 3 tokens each = 24 tokens, halfway between
+  # the buckets of 16 (100 rounds/s) and 32 (50/s): 75 rounds/s; τ 2.5: 8 · 2.5 · 75 = 1500 tokens/s
+  # while rounds run, so 3000 tokens take 2 s of rounds; with 0.5 s of measured refills, 3000 / 2.5
+  # = 1200 tokens/s, and with 0.5 s of host work besides, 1000. At a bucket's own size its rate
+  # (4 tokens a row: 32, 50/s), below the smallest the smallest's. No table (plain decoding): None.
+  table = ([16, 32], [100.0, 50.0])
+  run = {"occupancy": 0.5, "verify_tokens": 3.0, "tau": 2.5, "tokens": 3000}
+  assert bench_serving.model_tokens_per_s(run, 16, table) == pytest.approx(1500.0)
+  assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5), 16, table) == pytest.approx(1200.0)
   assert bench_serving.model_tokens_per_s(dict(run, refill_s=0.5, host_s=0.5), 16,
-                                          table) == pytest.approx(2000 / 3)
+                                          table) == pytest.approx(1000.0)
+  assert bench_serving.model_tokens_per_s(dict(run, verify_tokens=4.0), 16,
+                                          table) == pytest.approx(8 * 2.5 * 50)
+  assert bench_serving.model_tokens_per_s(dict(run, verify_tokens=1.0), 16,
+                                          table) == pytest.approx(8 * 2.5 * 100)
   assert bench_serving.model_tokens_per_s(run, 16, None) is None
   # The table's context: a busy row's mean prompt + made tokens in the steady state, E[L²]/(2E[L])
   # (equal rows: halfway; rows of 100 and 300 tokens: a slot holds the long one 3/4 of the time,
