@@ -59,8 +59,9 @@ os.environ.pop("DSPARK_JAX_ATTENTION", None)
 # the CLI in a subprocess) is loaded, not compiled again, by the others. JAX keys each entry by
 # the program, its compile options and XLA's flags, so no test sees another program than it
 # would compile itself. The first process to import this file (pytest's controller) makes the
-# directory; the workers and subprocesses inherit the variables.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# directory; the workers and subprocesses inherit the variables. On the CPU only: the GPU check
+# runs its tests as it always has.
+if os.environ.get("DSPARK_TEST_GPU") != "1" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil
   import tempfile
