@@ -34,9 +34,9 @@ from dspark_jax import verification
 def _round_compiler_options() -> dict:
   """XLA options of the harness's round program. Its rounds are compute-bound (hundreds of
   thousands of rows): where ``XLA_FLAGS`` sets the backend's optimisation level below 1 (the test
-  suite does, to compile its many small programs faster), this one program compiles at level 1,
-  which runs it ~2.5x faster on the CPU. Otherwise none (XLA's defaults). The level changes how
-  the code is generated, not its arithmetic."""
+  suite does, to compile its many small programs faster), this one program compiles at level 1.
+  Otherwise none (XLA's defaults). The level changes how the code is generated, not its
+  arithmetic."""
   for flag in os.environ.get("XLA_FLAGS", "").split():
     name, _, value = flag.partition("=")
     if name == "--xla_backend_optimization_level" and value.isdigit() and int(value) < 1:
