@@ -71,13 +71,29 @@ if os.environ.get("DSPARK_TEST_GPU") != "1" and "JAX_COMPILATION_CACHE_DIR" not 
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
+def _file_cost(items) -> dict:
+  """A file's expected seconds on one worker, from its markers: ~15 per `slow` test, ~1 per other
+  test, ~40 per notebook (a whole study)."""
+  cost = {}
+  for item in items:
+    each = 40 if item.path.suffix == ".ipynb" else 15 if item.get_closest_marker("slow") else 1
+    cost[item.path] = cost.get(item.path, 0) + each
+  return cost
+
+
 def pytest_collection_modifyitems(config, items):
   """Notebooks (run by nbmake) count as `slow`: each runs a whole study. Tests marked `gpu` are
-  skipped unless JAX's default backend is a GPU. (Which worker takes which file is pytest-xdist's
-  choice: ``--dist loadfile`` hands out whole files, most tests first.)"""
+  skipped unless JAX's default backend is a GPU.
+
+  Files run costliest first (by `_file_cost`; ties in path order, a file's tests in their own
+  order). pytest-xdist's ``--dist loadfile --no-loadscope-reorder`` hands whole files to whichever
+  worker is free in this order, so the long files start early and the short ones fill the end (by
+  test count instead, the one-test notebooks came last and one worker ran on alone)."""
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
+  cost = _file_cost(items)
+  items.sort(key=lambda item: (-cost[item.path], str(item.path)))
   gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
   if not gpu_items:
     return
