@@ -15,6 +15,7 @@ import dspark_jax as dj
 from dspark_jax import decoding
 from dspark_jax.models import draft as dm
 from dspark_jax.scheduling import schedules
+from dspark_jax.testing import compiling
 from dspark_jax.testing import law_checks
 from tests import stats
 from tests.test_decoding import PROMPTS, _exact_first_three, make_draft, make_target
@@ -166,7 +167,7 @@ def test_scheduled_decodes_follow_the_target_law(name, monkeypatch):
   lens = np.full((ROWS,), len(prompt), np.int32)
   params = dj.SamplingParams(temperature=1.0, batch_size=ROWS, seed=np.arange(ROWS))
   schedule = {"prefix": schedules.prefix, "top_k": schedules.top_k}[name](JAGGED)
-  run = jax.jit(jax.vmap(lambda k: dj.decode(target, draft, tokens, lens, params, k,
+  run = compiling.compute_bound_jit(jax.vmap(lambda k: dj.decode(target, draft, tokens, lens, params, k,
                                              max_new_tokens=3, schedule=schedule)))
   out = run(jax.random.split(jax.random.key(7), keys))
   samples = np.asarray(out.tokens).reshape(-1, 3)

@@ -8,6 +8,7 @@ host's instruction set (FMA, vector width). Exact equality is asserted where it 
 integer and selection logic on identical inputs, the same program run twice, and special rows (all
 -inf, NaN, exact ties)."""
 
+import functools
 import itertools
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
+from dspark_jax.testing import compiling
 from dspark_jax.testing import law_checks as reference
 from dspark_jax.kernels import dispatch
 from dspark_jax.kernels import triton_step as fused_step
@@ -284,14 +286,15 @@ def test_pallas_form_block_law(kind, temperature, config):
   params = dj.SamplingParams(temperature=np.r_[np.zeros(greedy_n), np.full(n, temperature)],
                              seed=np.arange(rows))
   r = proposal.block_arrays(params, np.full(rows, anchor), np.full(rows, 11))
+  draft = compiling.compute_bound_jit(functools.partial(
+      proposal.folded_block, kind=kind, greedy_only=False, backend="triton", config=config))
   tokens = []
   for start in range(0, rows, chunk):
     part = slice(start, start + chunk)
-    tokens.append(proposal.folded_block(
+    tokens.append(draft(
         head.arrays(), None, jnp.broadcast_to(base, (chunk, gamma, vocab)), r["anchor"][part],
         jnp.broadcast_to(h, (chunk, gamma, hidden)), r["greedy"][part], r["temperature"][part],
-        r["seeds"][part], r["positions"][part], jax.random.key(9), kind=kind, greedy_only=False,
-        backend="triton", config=config)[0])
+        r["seeds"][part], r["positions"][part], jax.random.key(9))[0])
   tokens = np.concatenate([np.asarray(t) for t in tokens])
   assert tokens.shape == (rows, gamma)
   path = []

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
+from dspark_jax.testing import compiling
 from dspark_jax.testing import law_checks as reference
 from dspark_jax.sampling import sampler as sampling
 from tests import stats
@@ -33,7 +34,8 @@ def test_sample_step_matches_softmax_in_mixed_batch(vocab, copies):
                              seed=np.arange(n_rows * copies) + 17)
   batch_logits = jnp.asarray(np.tile(logits, (copies, 1)))
   positions = jnp.full((n_rows * copies,), 5, jnp.int32)
-  tokens = np.asarray(dj.sample_step(batch_logits, params, jax.random.key(vocab), positions))
+  tokens = np.asarray(compiling.compute_bound_jit(dj.sample_step)(
+      batch_logits, params, jax.random.key(vocab), positions))
   tokens = tokens.reshape(copies, n_rows)
   for row, (temp, k) in enumerate(rows):
     counts = np.bincount(tokens[:, row], minlength=vocab)
@@ -281,3 +283,19 @@ def test_two_stage_argmax_equals_argmax_with_ties_and_nans(vocab):
   scores[3, -1] = np.nan
   got = np.asarray(sampling.argmax_last(jnp.asarray(scores)))
   np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(scores), axis=-1)))
+
+
+def test_compute_bound_jit_compiles_at_level_one_only_under_a_lower_level(monkeypatch):
+  # The law checks' large programs: level 1 where XLA_FLAGS asks for less (the suite's level 0),
+  # XLA's defaults otherwise; the tokens are those of a plain jit (same arithmetic).
+  level_one = {"xla_backend_optimization_level": 1}
+  for flags, want in (("--xla_backend_optimization_level=0 --x=1", level_one),
+                      ("--xla_backend_optimization_level=2", {}), ("", {})):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert compiling.compute_bound_options() == want, flags
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  logits = jnp.asarray(np.random.default_rng(0).normal(0, 2, (512, 33)), jnp.float32)
+  params = dj.SamplingParams(temperature=np.tile([0.0, 0.7, 1.0, 1.9], 128), seed=np.arange(512))
+  args = (logits, params, jax.random.key(4), jnp.arange(512, dtype=jnp.int32))
+  np.testing.assert_array_equal(np.asarray(compiling.compute_bound_jit(dj.sample_step)(*args)),
+                                np.asarray(jax.jit(dj.sample_step)(*args)))

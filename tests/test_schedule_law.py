@@ -45,6 +45,7 @@ import numpy as np
 import pytest
 
 import dspark_jax as dj
+from dspark_jax.testing import compiling
 from dspark_jax.testing import law_checks
 from dspark_jax.testing import toy_markov
 from tests import stats
@@ -128,6 +129,14 @@ PROFILES = {"smooth": smooth, "jagged": jagged, "capped": capped, "cliff": cliff
             "buckets": buckets}
 
 
+# A round's draft and verification over all N rows, each one program (compute-bound: see
+# `compiling`), shared by every schedule.
+_sample_block = compiling.compute_bound_jit(
+    lambda head, base, anchor, hidden, params, key, position, conf: dj.sample_block(
+        head, base, anchor, hidden, params, key, position, confidence_head=conf))
+_verify = compiling.compute_bound_jit(dj.verify)
+
+
 def scheduled_decode(toy, schedule, rows, seed, *, n=N, warm=2, fresh_keys=True):
   """`n` rows in groups of `rows`, one schedule instance per group (vmap over groups).
 
@@ -141,7 +150,7 @@ def scheduled_decode(toy, schedule, rows, seed, *, n=N, warm=2, fresh_keys=True)
   table, base = jnp.asarray(toy.table), jnp.asarray(toy.base)
   hidden = jnp.zeros((n, gamma, 1), jnp.float32)
   state = jax.tree.map(lambda x: jnp.broadcast_to(x, (groups,) + x.shape), schedule.init(rows, gamma))
-  update = jax.jit(jax.vmap(schedule.update))
+  update = compiling.compute_bound_jit(jax.vmap(schedule.update))
   rng = np.random.default_rng(seed)
   for _ in range(warm):
     _, state = update(jnp.asarray(rng.random((groups, rows, gamma)), jnp.float32),
@@ -156,14 +165,14 @@ def scheduled_decode(toy, schedule, rows, seed, *, n=N, warm=2, fresh_keys=True)
     if not active.any():
       break
     round_key = jax.random.fold_in(key, round_index) if fresh_keys else key
-    block = dj.sample_block(toy.head, base[anchor], anchor, hidden, params, round_key, position,
-                            confidence_head=toy.conf)
+    block = _sample_block(toy.head, base[anchor], anchor, hidden, params, round_key, position,
+                          toy.conf)
     lens, state = update(block.confidence.reshape(groups, rows, gamma),
                          jnp.asarray(active).reshape(groups, rows), state)
     lens = np.asarray(lens).reshape(n)
     used.append(lens[active])
     verify_inputs = jnp.concatenate([jnp.asarray(anchor)[:, None], block.tokens], axis=1)
-    result = dj.verify(table[verify_inputs], block, params, round_key, position, lens)
+    result = _verify(table[verify_inputs], block, params, round_key, position, lens)
     committed, num = np.asarray(result.committed), np.asarray(result.num_committed)
     for slot in range(gamma + 1):
       take = active & (slot < num) & (count < LENGTH)

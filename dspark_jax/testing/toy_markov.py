@@ -18,7 +18,6 @@ function of (key, seed, position, stream) only, and positions advance with what 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import jax
@@ -29,19 +28,7 @@ from dspark_jax.draft import heads
 from dspark_jax.draft import block as proposal
 from dspark_jax.sampling import params as sp
 from dspark_jax import verification
-
-
-def _round_compiler_options() -> dict:
-  """XLA options of the harness's round program. Its rounds are compute-bound (hundreds of
-  thousands of rows): where ``XLA_FLAGS`` sets the backend's optimisation level below 1 (the test
-  suite does, to compile its many small programs faster), this one program compiles at level 1.
-  Otherwise none (XLA's defaults). The level changes how the code is generated, not its
-  arithmetic."""
-  for flag in os.environ.get("XLA_FLAGS", "").split():
-    name, _, value = flag.partition("=")
-    if name == "--xla_backend_optimization_level" and value.isdigit() and int(value) < 1:
-      return {"xla_backend_optimization_level": 1}
-  return {}
+from dspark_jax.testing import compiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +147,7 @@ def speculative_decode(pair: ToyPair, params: sp.SamplingParams, key: jax.Array,
     return verification.verify(table[verify_inputs], block, params, key, position, lens,
                                stop_token_ids)
 
-  step = jax.jit(propose_and_verify, compiler_options=_round_compiler_options())
+  step = compiling.compute_bound_jit(propose_and_verify)  # hundreds of thousands of rows
   round_index = 0
   while not done.all():
     lens = verify_lens(round_index) if callable(verify_lens) else verify_lens
