@@ -11,10 +11,10 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
 ``--temperature`` (default 0).
 
 * **Occupancy** (``occupancy`` in ``--studies``): the prompts through S = ``--slots`` slots of a
-  `dj.Engine` (``--refill-at``, default 1; ``--rounds-per-call``, default 16; every engine's slots
-  hold the longest possible prompt + ``HI``), against today's static batches: consecutive
-  `dj.generate` calls of S prompts each (a batch runs until its longest row ends), in the same run
-  on the same prompts. Reported: occupancy (busy slot-iterations over all
+  `dj.Engine` (``--refill-at``, default the engine's 'auto'; ``--rounds-per-call``, default 16;
+  every engine's slots hold the longest possible prompt + ``HI``), against today's static
+  batches: consecutive `dj.generate` calls of S prompts each (a batch runs until its longest row
+  ends), in the same run on the same prompts. Reported: occupancy (busy slot-iterations over all
   slot-iterations; for the static batches, Σ rounds per row over S × the batch's rounds), tokens/s
   of each (compilation excluded), and their ratio; the occupancy of an ideal queue on the same
   work (`ideal_occupancy`: the drain at the end, where the last long rows run alone, bounds every
@@ -92,6 +92,7 @@ from benchmarks import bench_decode
 from benchmarks import harness
 from benchmarks import synthetic
 from dspark_jax.decoding import compile_cache
+from dspark_jax.decoding.queue import auto_refill_at
 from dspark_jax.models import target as tm
 
 STUDIES = ("occupancy", "memory", "throughput")
@@ -111,8 +112,9 @@ def _refill_at(text: str):
 
 
 def refill_at(args, slots: int) -> int:
-  """The engine's `refill_at` at `slots` slots (``--refill-at``; 'auto': slots // 32, at least 1)."""
-  return max(1, slots // 32) if args.refill_at == "auto" else args.refill_at
+  """The engine's `refill_at` at `slots` slots (``--refill-at``; 'auto': the engine's default,
+  `dspark_jax.decoding.queue.auto_refill_at`)."""
+  return auto_refill_at(slots) if args.refill_at == "auto" else args.refill_at
 
 
 def refill_rows(args, slots: int) -> int | None:
@@ -178,11 +180,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--schedules", default=None,
                       help=f"comma list of {', '.join(SCHEDULES)} (default all; --small: "
                            "plain,fixed,top_k)")
-  parser.add_argument("--refill-at", type=_refill_at, default=1,
+  parser.add_argument("--refill-at", type=_refill_at, default="auto",
                       help="the engine returns to the host once this many slots are free "
-                           "(`dj.Engine.refill_at`, default 1); 'auto': c // 32 slots at "
-                           "concurrency c (at least 1; fewer host round trips and refill sizes "
-                           "at high concurrency, about 1.5 %% of the slots idle while waiting)")
+                           "(`dj.Engine.refill_at`); 'auto' (default, the engine's): S // 32 "
+                           "slots at S slots, at least 1 (fewer host round trips and refills, "
+                           "about 1.5 %% of the slots idle while waiting)")
   parser.add_argument("--refill-rows", type=_refill_at, default=None,
                       help="throughput study: rows per refill program (`dj.Engine.refill_rows`; "
                            "default: one refill of the admitted count's bucket); 'auto': the "

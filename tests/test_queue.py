@@ -365,3 +365,18 @@ def test_refills_of_a_fixed_row_count_decode_the_same_tokens_in_one_program(pair
                      (5, "^refill_rows: 5 is more than the 4 slots")):
     with pytest.raises(ValueError, match=match):
       dj.Engine(target, draft, max_batch_size=4, refill_rows=bad)
+
+
+def test_refill_at_auto_waits_for_a_32nd_of_the_slots(pair):
+  # The default refill_at="auto" is S // 32 free slots (at least 1); an int is taken as given; a
+  # string other than "auto" or a count below 1 is refused by name.
+  from dspark_jax.decoding import queue
+  target, draft = pair
+  assert [queue.auto_refill_at(s) for s in (1, 31, 32, 64, 256)] == [1, 1, 1, 2, 8]
+  assert dj.Engine(target, draft, max_batch_size=64).refill_at == 2
+  assert dj.Engine(target, draft, max_batch_size=4).refill_at == 1
+  assert dj.Engine(target, draft, max_batch_size=64, refill_at=3).refill_at == 3
+  for bad, match in (("half", "^refill_at: must be an integer >= 1 or 'auto', got 'half'"),
+                     (0, "^refill_at: must be an integer >= 1, got 0")):
+    with pytest.raises(ValueError, match=match):
+      dj.Engine(target, draft, max_batch_size=4, refill_at=bad)

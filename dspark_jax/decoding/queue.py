@@ -81,6 +81,18 @@ LOGIT_BUFFERS = 4
 logits and probabilities, the draft's corrected logits and noise)."""
 KV_FORMS = ("contiguous", "paged")
 """The slots' caches: one contiguous row per slot, or pages of a shared pool (`paging`)."""
+REFILL_AUTO_SHARE = 32
+"""``refill_at="auto"``: a chunk returns to the host once S // REFILL_AUTO_SHARE slots are free."""
+
+
+def auto_refill_at(slots: int) -> int:
+  """`Engine.refill_at` "auto" at S = `slots` slots: ``max(1, S // 32)``.
+
+  A refill costs a fixed part (one read of the weights, one host round trip) plus a part per
+  prompt; waiting for k free slots leaves about k / 2 of them idle until the refill. Refilling in
+  groups of about S / 32 amortises the fixed part while the idle slots stay near 1.5 % of S.
+  """
+  return max(1, _check_positive("slots", slots) // REFILL_AUTO_SHARE)
 
 
 @dataclasses.dataclass
@@ -96,7 +108,8 @@ class Engine:
     schedule: a verify-length `Schedule` (as in `generate`; part of the compile key by identity).
     rounds_per_call: R, iterations a chunk runs at most between two host boundaries.
     refill_at: a chunk returns to the host once this many slots are free (fewer while the queue
-      holds fewer prompts); larger values refill in bigger groups, less often.
+      holds fewer prompts); larger values refill in bigger groups, less often. "auto" (default):
+      `auto_refill_at` (S // 32, at least 1); 1 refills each freed slot at the next boundary.
     refill_rows: None (default): the prompts admitted at a boundary are prefilled by one refill
       of their count's power-of-two bucket (one program per bucket met, up to S rows). An int
       (1..S): by refills of exactly this many rows each, the last padded: one refill program in
@@ -130,7 +143,7 @@ class Engine:
   spec: bool = True
   schedule: Any = None
   rounds_per_call: int = 16
-  refill_at: int = 1
+  refill_at: int | str = "auto"
   refill_rows: int | None = None
   kv: str = "contiguous"
   num_pages: int | None = None
@@ -148,6 +161,10 @@ class Engine:
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
     self.rounds_per_call = _check_positive("rounds_per_call", self.rounds_per_call)
+    if isinstance(self.refill_at, str):
+      if self.refill_at != "auto":
+        raise ValueError(f"refill_at: must be an integer >= 1 or 'auto', got {self.refill_at!r}")
+      self.refill_at = auto_refill_at(self.max_batch_size)
     self.refill_at = _check_positive("refill_at", self.refill_at)
     if self.refill_rows is not None:
       self.refill_rows = _check_positive("refill_rows", self.refill_rows)
