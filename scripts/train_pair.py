@@ -658,10 +658,11 @@ def write_hf_target(target, directory: str, tokenizer_json: str) -> list[str]:
 
 
 def heldout_token_prompts(args) -> list[np.ndarray]:
-  """The held-out prompts (``heldout_prompts.json``) as token ids, their last 512 tokens."""
+  """Every held-out prompt (``heldout_prompts.json``; 2 with ``--tiny``) as token ids, its last 512
+  tokens."""
   tokenizer = byte_bpe.load_tokenizer(path(args, "tokenizer.json"))
   with open(path(args, "heldout_prompts.json")) as f:
-    texts = json.load(f)[:2 if args.tiny else 16]
+    texts = json.load(f)[:2 if args.tiny else MAX_PROMPTS]
   return [np.asarray(tokenizer.encode(t, add_special_tokens=False).ids[-512:], np.int32)
           for t in texts]
 
@@ -696,17 +697,33 @@ def stage_draft_command(args, budget):
   prompts = heldout_token_prompts(args)
   new_tokens = 16 if args.tiny else 128
   ours = checkpoints.load_draft(path(args, "draft.safetensors"), result.target.config)
-  tau = {name: drafter.heldout_tau(result.target, model, prompts,
-                                   max_new_tokens=new_tokens)["tau"]
-         for name, model in (("command", result.draft), ("draft", ours))}
+  runs = {name: drafter.heldout_tau(result.target, model, prompts, max_new_tokens=new_tokens)
+          for name, model in (("command", result.draft), ("draft", ours))}
+  tau = {name: run["tau"] for name, run in runs.items()}
+  ratio, error = paired_ratio(runs["command"]["rows"], runs["draft"]["rows"])
   last = result.history[-1] if result.history else {}
   log_json(args, "draft_command_log.json", {
       "steps": result.step, "requested_steps": steps, "tau": tau, "prompts": len(prompts),
-      "new_tokens": new_tokens, "seconds": time.perf_counter() - start, "loss": last.get("loss"),
-      "options": dataclasses.asdict(options)})
-  return (f"{result.step} steps, loss {last.get('loss', float('nan')):.3f}; held-out τ: command "
-          f"{tau['command']:.3f}, stage draft {tau['draft']:.3f} "
-          f"({tau['command'] / tau['draft']:.3f}x)")
+      "rows": {name: run["rows"] for name, run in runs.items()}, "ratio": ratio,
+      "ratio_se": error, "new_tokens": new_tokens, "seconds": time.perf_counter() - start,
+      "loss": last.get("loss"), "options": dataclasses.asdict(options)})
+  return (f"{result.step} steps, loss {last.get('loss', float('nan')):.3f}; held-out τ over "
+          f"{len(prompts)} prompts: command {tau['command']:.3f}, stage draft {tau['draft']:.3f} "
+          f"({tau['command'] / tau['draft']:.3f}x; per prompt {ratio:.3f}x ± {2 * error:.3f}, "
+          f"2 standard errors)")
+
+
+def paired_ratio(ours, theirs) -> tuple[float, float]:
+  """Mean of `ours` over mean of `theirs` (per-prompt τ, paired; NaN rows dropped from both) and
+  its standard error by the delta method: ``sd(ours_i - r·theirs_i) / (sqrt(n) · mean(theirs))``."""
+  ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+  keep = ~(np.isnan(ours) | np.isnan(theirs))
+  ours, theirs = ours[keep], theirs[keep]
+  if ours.size < 2:
+    return float("nan"), float("nan")
+  ratio = ours.mean() / theirs.mean()
+  error = np.std(ours - ratio * theirs, ddof=1) / (np.sqrt(ours.size) * theirs.mean())
+  return float(ratio), float(error)
 
 
 def stage_export_hf(args, budget):

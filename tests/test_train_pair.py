@@ -184,6 +184,20 @@ def test_repetition_flags_loops():
   assert not train_pair.repetition([1, 2, 3])["loop"]
 
 
+def test_paired_ratio_is_the_ratio_of_means_with_its_delta_method_error():
+  # Proportional per-prompt τ: the ratio exactly, no spread. Paired noise: the error is the
+  # spread of ours_i - r·theirs_i over sqrt(n) and the mean; NaN rows drop from both sides.
+  theirs = np.array([2.0, 3.0, 4.0, np.nan])
+  ratio, error = train_pair.paired_ratio(1.5 * theirs, theirs)
+  assert ratio == pytest.approx(1.5) and error == pytest.approx(0.0, abs=1e-12)
+  ours = np.array([2.2, 2.8, 4.4, 1.0])
+  ratio, error = train_pair.paired_ratio(ours, theirs)
+  assert ratio == pytest.approx(9.4 / 9.0)
+  residual = ours[:3] - ratio * theirs[:3]
+  assert error == pytest.approx(np.std(residual, ddof=1) / (np.sqrt(3) * 3.0))
+  assert np.isnan(train_pair.paired_ratio([2.0], [2.0])[0])
+
+
 def test_draft_checkpoint_keeps_calibrated_temperatures(tmp_path):
   config = tm.TargetConfig(vocab_size=64, num_layers=2, feature_layers=(0,),
                            layer=layers.LayerShape(hidden_size=16, num_heads=2, num_kv_heads=1,
@@ -285,6 +299,7 @@ def test_tiny_all_stages_export_pairs_that_load(tmp_path, capsys):
   log = json.load(open(os.path.join(work, "draft_command_log.json")))
   assert log["steps"] == log["requested_steps"] == 3
   assert log["tau"]["command"] >= 1 and log["tau"]["draft"] >= 1 and log["prompts"] >= 1
+  assert len(log["rows"]["command"]) == len(log["rows"]["draft"]) == log["prompts"]
   assert np.isfinite(log["loss"])
   _, retrained = dj.load_pretrained(os.path.join(work, "hf_target"),
                                     os.path.join(work, "draft_command"))

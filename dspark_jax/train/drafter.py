@@ -223,12 +223,16 @@ class TrainResult:
 
 def heldout_tau(target: tm.TargetModel, draft: dm.DSparkDraft, prompts: Sequence[Sequence[int]],
                 *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> dict:
-  """``{"tau": τ}`` of greedy speculative decoding of `prompts` (one batch)."""
+  """Greedy speculative decoding of `prompts` (one batch): ``{"tau": τ, "rows": [τ of each
+  prompt]}``, τ over all rounds of all rows, a row's own τ ``1 + accepted / rounds`` (NaN for a
+  row with no round)."""
   result = host.generate(target, draft, [list(p) for p in prompts],
                          sp.SamplingParams(temperature=np.zeros(len(prompts))),
                          jax.random.key(0), max_new_tokens=max_new_tokens,
                          stop_token_ids=list(stop_token_ids))
-  return {"tau": float(result.tau)}
+  rounds = np.asarray(result.row_rounds, np.float64)
+  rows = 1.0 + np.asarray(result.row_accepted, np.float64) / np.where(rounds > 0, rounds, np.nan)
+  return {"tau": float(result.tau), "rows": rows.tolist()}
 
 
 def plot_history(history: Sequence[dict], evaluations: Sequence[dict], path: str) -> str:
@@ -345,8 +349,8 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
   if prompts:
     def evaluate(model):
       pair = (target, model) if options.tp == 1 else placement.shard(target, model, mesh, tp="tp")
-      return heldout_tau(*pair, prompts, max_new_tokens=options.eval_tokens,
-                         stop_token_ids=stops)
+      return {"tau": heldout_tau(*pair, prompts, max_new_tokens=options.eval_tokens,
+                                 stop_token_ids=stops)["tau"]}
 
   rates = dict(warmup_fraction=options.warmup_fraction, end_fraction=options.final_lr_fraction)
   schedule = training.make_schedule(options.learning_rate, steps, **rates)
