@@ -27,16 +27,22 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
   features (DeepSpec's offline target cache) could save at most;
 * the compiled step's memory as XLA plans it (`memory_analysis`, before the step runs, so it is
   printed even when the step then fails): its scratch and the estimated peak, arguments (the
-  parameters, optimizer state, target and batch) plus outputs plus scratch, less what is donated.
+  parameters, optimizer state, target and batch) plus outputs plus scratch, less what is donated;
+* with ``--profile DIR``, where the step's time goes: ``--trace-repeats`` steps traced into DIR
+  (`bench_profile.trace_call`, the optimized HLO beside them) and reduced to `bench_profile`'s
+  kernel table (kernel groups by HLO op, µs per step, share of the busy time, bytes and FLOPs
+  against their floors at this run's rates), also in the JSON under ``profile``.
 
   python -m benchmarks.bench_train --small                   # CPU smoke check
   python -m benchmarks.bench_train                           # DeepSpec's: 1 x 4096, 512 anchors
   python -m benchmarks.bench_train --batch 2 --seq-len 2048 --anchors 64
+  python -m benchmarks.bench_train --profile /tmp/train_profile   # and its kernels by group
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 
 import jax
@@ -45,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import bench_decode
+from benchmarks import bench_profile
 from benchmarks import harness
 from dspark_jax.train import trainer as training
 
@@ -56,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (512)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="also trace steps into DIR and print their kernels by group")
+  parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")
+  parser.add_argument("--top", type=int, default=25, help="kernel groups shown (default 25)")
   harness.add_common_arguments(parser, repeats=5, warmup=2, backend=False)
   args = harness.finish_arguments(parser, parser.parse_args(argv))
   args.batch = args.batch or (2 if args.small else 1)
@@ -109,7 +120,22 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
     return metrics["loss"]
   compiled = trainer._step_fn.lower(trainer.params, trainer.rest, trainer.frozen_state,
                                     trainer.opt_state, data).compile()
+  step.hlo = compiled.as_text
   return step, memory(compiled)
+
+
+def profile_step(step, directory: str, *, calls: int, bandwidth: float, rate: float) -> dict:
+  """`calls` traced steps under `directory` (replaced), reduced by `bench_profile.reduce_calls`
+  (one iteration a call) over the step's optimized HLO, which is saved beside the trace."""
+  text = step.hlo() or ""
+  bench_profile.trace_call(step, directory, calls)
+  if text:
+    with gzip.open(os.path.join(directory, "module.hlo.txt.gz"), "wt", encoding="utf-8") as f:
+      f.write(text)
+  return bench_profile.reduce_calls(
+      bench_profile.read_trace(directory), bench_profile.hlo_costs(text) if text else {},
+      calls=calls, iterations=1, gap_us=2.0, bandwidth=bandwidth, rate=rate,
+      module=bench_profile.module_name(text) if text else None)
 
 
 def build_target_part(target, batch: int, length: int):
@@ -145,18 +171,26 @@ def _size(nbytes: int) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  meta, _ = harness.start_run(args, batch=args.batch, seq_len=args.seq_len,
-                              anchors=args.anchors, gamma=args.gamma, shape=args.shape)
+  meta, bandwidth = harness.start_run(args, batch=args.batch, seq_len=args.seq_len,
+                                      anchors=args.anchors, gamma=args.gamma, shape=args.shape)
   rate = meta["matmul_tflops"] * 1e12
   target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
-  error, seconds, planned, target_s = None, None, None, None
+  error, seconds, planned, target_s, profile = None, None, None, None, None
   try:
     step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
     if planned:
       print(f"compiled step: scratch {_size(planned['temp_bytes'])}, estimated peak "
             f"{_size(planned['peak_bytes'])}", flush=True)
     seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
+    if args.profile:
+      profile = profile_step(step, args.profile, calls=args.trace_repeats, bandwidth=bandwidth,
+                             rate=rate)
+      print(f"profile of one step ({profile['source']}, {profile['calls']} steps kept): busy "
+            f"{profile.get('busy_us', 0) / 1e3:.1f} ms of a {profile.get('span_us', 0) / 1e3:.1f} "
+            f"ms span", flush=True)
+      if profile["calls"]:
+        print("\n".join(bench_profile.kernel_table(profile, args.top)), flush=True)
     del step
     target_s = harness.time_one(build_target_part(target, args.batch, args.seq_len),
                                 repeats=args.repeats, warmup=args.warmup)
@@ -164,7 +198,7 @@ def main(argv=None) -> int:
     error = bench_decode.describe_failure(exc)
   result = {"batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors,
             "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error,
-            "memory": planned, "target_seconds": target_s}
+            "memory": planned, "target_seconds": target_s, "profile": profile}
   if seconds is not None:
     result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
                   block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,

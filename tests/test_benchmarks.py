@@ -127,12 +127,18 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
 
 
 def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys):
+  # --profile: the traced steps reduce to kernel groups whose time is the step's busy time.
   from benchmarks import bench_train
-  saved, header, (row,) = run_and_read_table(bench_train, "bench_train (",
-                                             ["--small", "--repeats", "1"],
-                                             tmp_path / "train.json", capsys)
+  saved, header, (row,) = run_and_read_table(
+      bench_train, "bench_train (", ["--small", "--repeats", "1", "--profile",
+                                     str(tmp_path / "profile"), "--trace-repeats", "2"],
+      tmp_path / "train.json", capsys)
   result = saved["results"]
   assert result["error"] is None and result["seconds"] > 0 and result["target_seconds"] > 0
+  profile = result["profile"]
+  assert profile["calls"] >= 1 and profile["groups"]
+  assert sum(g["us"] for g in profile["groups"]) == pytest.approx(profile["kernel_us"], rel=1e-6)
+  assert (tmp_path / "profile" / "module.hlo.txt.gz").exists()
   assert result["target_share"] == pytest.approx(result["target_seconds"] / result["seconds"])
   assert result["model_flops"]["total"] == pytest.approx(
       result["model_flops"]["target"] + result["model_flops"]["draft"])
