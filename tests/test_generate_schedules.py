@@ -167,8 +167,8 @@ def test_scheduled_decodes_follow_the_target_law(name, monkeypatch):
   lens = np.full((ROWS,), len(prompt), np.int32)
   params = dj.SamplingParams(temperature=1.0, batch_size=ROWS, seed=np.arange(ROWS))
   schedule = {"prefix": schedules.prefix, "top_k": schedules.top_k}[name](JAGGED)
-  run = compiling.compute_bound_jit(jax.vmap(lambda k: dj.decode(target, draft, tokens, lens, params, k,
-                                             max_new_tokens=3, schedule=schedule)))
+  run = compiling.compute_bound_jit(jax.vmap(lambda k: dj.decode(
+      target, draft, tokens, lens, params, k, max_new_tokens=3, schedule=schedule)))
   out = run(jax.random.split(jax.random.key(7), keys))
   samples = np.asarray(out.tokens).reshape(-1, 3)
   assert samples.shape == (ROWS * keys, 3) and np.all(samples >= 0)
