@@ -671,7 +671,8 @@ def stage_draft_command(args, budget):
   """The drafter stage through ``dspark-jax train``'s function (`train_drafter`): the same rows
   (the draft-data sequences as token rows, the loss on the continuation), step count, batch,
   anchors, learning rate and optimizer settings as stage ``draft``, from the target exported as a
-  Hugging Face directory; then both drafters' greedy τ on the held-out prompts. Not part of
+  Hugging Face directory; then both drafters' greedy τ on the held-out prompts, each with the
+  weights it ships (stage draft's rounded to the command's storage dtype). Not part of
   ``--stage all``: a check of the command against this script's own loop."""
   start = time.perf_counter()
   target = checkpoints.load_target(path(args, "target.safetensors"))
@@ -696,7 +697,10 @@ def stage_draft_command(args, budget):
                                  draft_config=choices, dtype=target.config.dtype, progress=False)
   prompts = heldout_token_prompts(args)
   new_tokens = 16 if args.tiny else 128
-  ours = checkpoints.load_draft(path(args, "draft.safetensors"), result.target.config)
+  # Both drafters as they ship: the command stores the draft's dtype (bf16 on an accelerator),
+  # stage draft keeps float32 weights that stage export rounds to bf16.
+  ours = round_to(checkpoints.load_draft(path(args, "draft.safetensors"), result.target.config),
+                  result.draft.config.param_dtype)
   runs = {name: drafter.heldout_tau(result.target, model, prompts, max_new_tokens=new_tokens)
           for name, model in (("command", result.draft), ("draft", ours))}
   tau = {name: run["tau"] for name, run in runs.items()}
