@@ -21,7 +21,7 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   queue) and the queue's share of it; and the queue's occupancy while saturated (the same prompts
   with ``drain=False``: the run ends when the queue has emptied and a row finished).
 * **Memory** (``memory``): concurrent rows in one KV budget. ``--memory-prompts`` prompts (default
-  32 per contiguous slot) with output lengths log-uniform in ``--memory-lengths`` (default 32..8192,
+  16 per contiguous slot) with output lengths log-uniform in ``--memory-lengths`` (default 32..8192,
   mean ~1.47k; the issue's rows of up to 8k averaging 1.5k) through ``--memory-rows`` contiguous
   slots (each sized for the longest prompt + HI), then through a paged engine whose pool holds the
   same positions (``--page-size``, default 64) behind ``--memory-factor`` (8) times as many slots,
@@ -165,7 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="memory study: LO,HI of its log-uniform output lengths (default "
                            "32,8192: mean ~1.47k; --small: 4,256)")
   parser.add_argument("--memory-prompts", type=int, default=None,
-                      help="memory study: prompts (default 32 per contiguous slot)")
+                      help="memory study: prompts (default 16 per contiguous slot)")
   parser.add_argument("--memory-factor", type=int, default=8,
                       help="memory study: the paged engine's slots, as a multiple of "
                            "--memory-rows (default 8)")
@@ -227,7 +227,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.min_prompts = args.min_prompts or (4 if small else 32)
   args.memory_rows = args.memory_rows or (2 if small else 16)
   args.memory_lengths = args.memory_lengths or ([4, 256] if small else [32, 8192])
-  args.memory_prompts = args.memory_prompts or 32 * args.memory_rows
+  args.memory_prompts = args.memory_prompts or 16 * args.memory_rows
   args.page_size = args.page_size or (16 if small else 64)
   if small and args.repeats == 3:
     args.repeats = 1
