@@ -53,6 +53,7 @@ from flax import nnx
 from benchmarks import bench_decode
 from benchmarks import bench_profile
 from benchmarks import harness
+from dspark_jax.kernels import attention
 from dspark_jax.train import trainer as training
 
 
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (512)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
+  parser.add_argument("--attention", default="auto",
+                      help="comma list of attention implementations to time side by side "
+                           f"(${attention.ENV_VAR} for each step: auto, xla, ...; default auto)")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace steps into DIR and print their kernels by group")
   parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")
@@ -76,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error("--batch, --seq-len, --anchors and --gamma: each must be >= 1")
   if args.seq_len < args.gamma + 2:
     parser.error(f"--seq-len: needs at least γ + 2 = {args.gamma + 2} tokens")
+  args.attention = [name.strip() for name in args.attention.split(",") if name.strip()]
+  bad = [name for name in args.attention if name not in attention.IMPLEMENTATIONS]
+  if bad or not args.attention:
+    parser.error(f"--attention: expected names among {', '.join(attention.IMPLEMENTATIONS)}")
   return args
 
 
@@ -105,6 +113,8 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
 
   optimizer = training.make_optimizer(6e-4, 1000, weight_decay=0.0, b2=0.999,   # DeepSpec's
                                       end_fraction=0.0)
+  graphdef, state = nnx.split(draft)        # a copy: the step donates the trained parameters
+  draft = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
   trainer = training.Trainer(draft, loss, optimizer, frozen=target, master_dtype=jnp.float32)
   gamma = draft.config.gamma
   rng = np.random.default_rng(0)
@@ -176,47 +186,78 @@ def main(argv=None) -> int:
   rate = meta["matmul_tflops"] * 1e12
   target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
-  error, seconds, planned, target_s, profile = None, None, None, None, None
+  results, target_s, error = [], None, None
+  for implementation in args.attention:
+    results.append(time_step(args, target, draft, implementation, flops, bandwidth, rate,
+                             profile=args.profile if not results else None))
+  if not any(r["error"] for r in results):
+    try:
+      target_s = harness.time_one(build_target_part(target, args.batch, args.seq_len),
+                                  repeats=args.repeats, warmup=args.warmup)
+    except Exception as exc:  # noqa: BLE001 - reported (e.g. out of memory), not raised
+      error = bench_decode.describe_failure(exc)
+  rows = []
+  for result in results:
+    result["target_seconds"] = target_s
+    if result["seconds"] is not None and target_s is not None:
+      result["target_share"] = target_s / result["seconds"]
+    if result["seconds"] is not None and results[0]["seconds"] is not None:
+      result["vs_first"] = results[0]["seconds"] / result["seconds"]
+    cell = lambda key, fmt, r=result: "-" if r.get(key) is None else fmt.format(r[key])
+    planned = result["memory"]
+    rows.append([result["attention"], str(args.batch), str(args.seq_len), str(args.anchors),
+                 str(args.gamma), cell("seconds", "{:.4f}"), cell("vs_first", "{:.3f}"),
+                 cell("sequence_tokens_per_s", "{:.0f}"), cell("block_tokens_per_s", "{:.0f}"),
+                 f"{flops['total'] / 1e12:.2f}", cell("mfu", "{:.3f}"),
+                 cell("target_seconds", "{:.4f}"), cell("target_share", "{:.2f}"),
+                 "-" if not planned else _size(planned["peak_bytes"]),
+                 (result["error"] or error or "")[:40]])
+  result = dict(results[0], runs=results) if len(results) > 1 else results[0]
+  title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
+           f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
+  header = ["attention", "B", "L", "A", "γ", "s/step", "× first", "seq tok/s", "block tok/s",
+            "TFLOP", "MFU", "target s", "share", "peak", "error"]
+  harness.finish(title, header, rows, meta=meta, results=result, json_path=args.json)
+  return int(error is not None or any(r["error"] for r in results))
+
+
+def time_step(args, target, draft, implementation: str, flops: dict, bandwidth: float,
+              rate: float, profile: str | None) -> dict:
+  """One training step compiled with attention `implementation` (``$DSPARK_JAX_ATTENTION``
+  while it is traced), timed (and with `profile`, traced and reduced): its result row."""
+  error, seconds, planned, reduced = None, None, None, None
+  before = os.environ.get(attention.ENV_VAR)
+  os.environ[attention.ENV_VAR] = implementation
   try:
     step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
     if planned:
-      print(f"compiled step: scratch {_size(planned['temp_bytes'])}, estimated peak "
-            f"{_size(planned['peak_bytes'])}", flush=True)
+      print(f"attention {implementation}: compiled step: scratch {_size(planned['temp_bytes'])}, "
+            f"estimated peak {_size(planned['peak_bytes'])}", flush=True)
     seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
-    if args.profile:
-      profile = profile_step(step, args.profile, calls=args.trace_repeats, bandwidth=bandwidth,
+    if profile:
+      reduced = profile_step(step, profile, calls=args.trace_repeats, bandwidth=bandwidth,
                              rate=rate)
-      print(f"profile of one step ({profile['source']}, {profile['calls']} steps kept): busy "
-            f"{profile.get('busy_us', 0) / 1e3:.1f} ms of a {profile.get('span_us', 0) / 1e3:.1f} "
+      print(f"profile of one step ({reduced['source']}, {reduced['calls']} steps kept): busy "
+            f"{reduced.get('busy_us', 0) / 1e3:.1f} ms of a {reduced.get('span_us', 0) / 1e3:.1f} "
             f"ms span", flush=True)
-      if profile["calls"]:
-        print("\n".join(bench_profile.kernel_table(profile, args.top)), flush=True)
+      if reduced["calls"]:
+        print("\n".join(bench_profile.kernel_table(reduced, args.top)), flush=True)
     del step
-    target_s = harness.time_one(build_target_part(target, args.batch, args.seq_len),
-                                repeats=args.repeats, warmup=args.warmup)
   except Exception as exc:  # noqa: BLE001 - reported (e.g. out of memory), not raised
     error = bench_decode.describe_failure(exc)
-  result = {"batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors,
-            "gamma": args.gamma, "seconds": seconds, "model_flops": flops, "error": error,
-            "memory": planned, "target_seconds": target_s, "profile": profile}
+  finally:
+    if before is None:
+      os.environ.pop(attention.ENV_VAR, None)
+    else:
+      os.environ[attention.ENV_VAR] = before
+  result = {"attention": implementation, "batch": args.batch, "seq_len": args.seq_len,
+            "anchors": args.anchors, "gamma": args.gamma, "seconds": seconds,
+            "model_flops": flops, "error": error, "memory": planned, "profile": reduced}
   if seconds is not None:
     result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
                   block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,
                   mfu=flops["total"] / seconds / rate)
-  if seconds is not None and target_s is not None:
-    result["target_share"] = target_s / seconds
-  cell = lambda key, fmt: "-" if result.get(key) is None else fmt.format(result[key])
-  rows = [[str(args.batch), str(args.seq_len), str(args.anchors), str(args.gamma),
-           cell("seconds", "{:.4f}"), cell("sequence_tokens_per_s", "{:.0f}"),
-           cell("block_tokens_per_s", "{:.0f}"), f"{flops['total'] / 1e12:.2f}",
-           cell("mfu", "{:.3f}"), cell("target_seconds", "{:.4f}"), cell("target_share", "{:.2f}"),
-           "-" if not planned else _size(planned["peak_bytes"]), (error or "")[:40]]]
-  title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
-           f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
-  header = ["B", "L", "A", "γ", "s/step", "seq tok/s", "block tok/s", "TFLOP", "MFU", "target s",
-            "share", "peak", "error"]
-  harness.finish(title, header, rows, meta=meta, results=result, json_path=args.json)
-  return int(error is not None)
+  return result
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ TESTS = (
     "tests/test_draft_sampler.py",
     "tests/test_attention.py",
     "tests/test_ragged_attention.py",
+    "tests/test_shared_attention.py",
     "tests/test_packing.py",
     "tests/test_paged.py",
     "tests/test_prefill.py",

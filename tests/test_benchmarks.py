@@ -129,11 +129,16 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
 def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys):
   # --profile: the traced steps reduce to kernel groups whose time is the step's busy time.
   from benchmarks import bench_train
-  saved, header, (row,) = run_and_read_table(
+  # --attention: a step per implementation, side by side (on the CPU both take the einsums).
+  saved, header, (row, xla_row) = run_and_read_table(
       bench_train, "bench_train (", ["--small", "--repeats", "1", "--profile",
-                                     str(tmp_path / "profile"), "--trace-repeats", "2"],
+                                     str(tmp_path / "profile"), "--trace-repeats", "2",
+                                     "--attention", "auto,xla"],
       tmp_path / "train.json", capsys)
   result = saved["results"]
+  assert [run["attention"] for run in result["runs"]] == ["auto", "xla"]
+  assert (row[0], xla_row[0]) == ("auto", "xla") and row[6] == "1.000"
+  assert result["runs"][1]["profile"] is None and result["runs"][1]["seconds"] > 0
   assert result["error"] is None and result["seconds"] > 0 and result["target_seconds"] > 0
   profile = result["profile"]
   assert profile["calls"] >= 1 and profile["groups"]
@@ -143,4 +148,4 @@ def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys):
   assert result["model_flops"]["total"] == pytest.approx(
       result["model_flops"]["target"] + result["model_flops"]["draft"])
   assert "target s" in header and "share" in header
-  assert float(row[4]) == pytest.approx(result["seconds"], rel=1e-3, abs=1e-4)   # s/step
+  assert float(row[5]) == pytest.approx(result["seconds"], rel=1e-3, abs=1e-4)   # s/step

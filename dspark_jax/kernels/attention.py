@@ -53,7 +53,8 @@ implementation setting.
 context: the blocks' queries are laid out as one row of queries per sequence, each with its
 block's prefix length as its limit, and read the sequence's context once (`shared_limited_part`,
 in query tiles whose scores are recomputed in the backward pass), so no context is copied per
-block and no [blocks, context] score tensor is kept for the gradient.
+block and no [blocks, context] score tensor is kept for the gradient. On a GPU its forward is the
+ragged kernel and its backward a tiled pass of its own (`kernels.shared_attention`).
 """
 
 from __future__ import annotations
@@ -631,7 +632,14 @@ def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Ar
   what is kept for the gradient is the queries, keys and values and the (lse, out) part, and the
   scratch is one tile of scores. Every query's softmax is the same reduction as in
   `limited_part`, so the result is identical. `tile` defaults to `SHARED_QUERY_TILE` (read at
-  the call). Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
+  the call). Where the ragged kernel may run (`choose_cached`: a GPU), the forward is that kernel
+  and the backward a tiled pass of its own (`shared_attention.limited_part_kernel`): equal within
+  bf16 rounding, with no scores in memory in the forward. Returns (lse [B, K, G, T],
+  out [B, K, G, T, D])."""
+  same = jax.ShapeDtypeStruct(k.shape, q.dtype)           # the kernel reads k, v in q's dtype
+  if choose_cached(q, same) == "ragged":
+    from dspark_jax.kernels import shared_attention
+    return shared_attention.limited_part_kernel(q, k.astype(q.dtype), v.astype(q.dtype), limits)
   b, t, n, d = q.shape
   tile = max(1, min(tile or SHARED_QUERY_TILE, t))
   tiles = -(-t // tile)
