@@ -64,9 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (512)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
-  parser.add_argument("--attention", default="auto",
-                      help="comma list of attention implementations to time side by side "
-                           f"(${attention.ENV_VAR} for each step: auto, xla, ...; default auto)")
+  parser.add_argument("--shared-attention", default="xla",
+                      help="comma list of forms of the draft's shared-context attention to time "
+                           f"side by side (${attention.SHARED_ENV_VAR} for each step: xla, "
+                           "ragged; default xla)")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace steps into DIR and print their kernels by group")
   parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")
@@ -80,10 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error("--batch, --seq-len, --anchors and --gamma: each must be >= 1")
   if args.seq_len < args.gamma + 2:
     parser.error(f"--seq-len: needs at least γ + 2 = {args.gamma + 2} tokens")
-  args.attention = [name.strip() for name in args.attention.split(",") if name.strip()]
-  bad = [name for name in args.attention if name not in attention.IMPLEMENTATIONS]
-  if bad or not args.attention:
-    parser.error(f"--attention: expected names among {', '.join(attention.IMPLEMENTATIONS)}")
+  args.shared_attention = [name.strip() for name in args.shared_attention.split(",")
+                           if name.strip()]
+  if not args.shared_attention or any(name not in ("xla", "ragged")
+                                      for name in args.shared_attention):
+    parser.error("--shared-attention: expected a comma list of xla, ragged")
   return args
 
 
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
   target, draft = bench_decode.build_models(args.small, args.gamma, args.shape)
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
   results, target_s, error = [], None, None
-  for implementation in args.attention:
+  for implementation in args.shared_attention:
     results.append(time_step(args, target, draft, implementation, flops, bandwidth, rate,
                              profile=args.profile if not results else None))
   if not any(r["error"] for r in results):
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
       result["vs_first"] = results[0]["seconds"] / result["seconds"]
     cell = lambda key, fmt, r=result: "-" if r.get(key) is None else fmt.format(r[key])
     planned = result["memory"]
-    rows.append([result["attention"], str(args.batch), str(args.seq_len), str(args.anchors),
+    rows.append([result["shared_attention"], str(args.batch), str(args.seq_len), str(args.anchors),
                  str(args.gamma), cell("seconds", "{:.4f}"), cell("vs_first", "{:.3f}"),
                  cell("sequence_tokens_per_s", "{:.0f}"), cell("block_tokens_per_s", "{:.0f}"),
                  f"{flops['total'] / 1e12:.2f}", cell("mfu", "{:.3f}"),
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
   result = dict(results[0], runs=results) if len(results) > 1 else results[0]
   title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
            f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
-  header = ["attention", "B", "L", "A", "γ", "s/step", "× first", "seq tok/s", "block tok/s",
+  header = ["shared attn", "B", "L", "A", "γ", "s/step", "× first", "seq tok/s", "block tok/s",
             "TFLOP", "MFU", "target s", "share", "peak", "error"]
   harness.finish(title, header, rows, meta=meta, results=result, json_path=args.json)
   return int(error is not None or any(r["error"] for r in results))
@@ -223,15 +225,16 @@ def main(argv=None) -> int:
 
 def time_step(args, target, draft, implementation: str, flops: dict, bandwidth: float,
               rate: float, profile: str | None) -> dict:
-  """One training step compiled with attention `implementation` (``$DSPARK_JAX_ATTENTION``
-  while it is traced), timed (and with `profile`, traced and reduced): its result row."""
+  """One training step compiled with the shared-context attention `implementation`
+  (``$DSPARK_JAX_SHARED_ATTENTION`` while it is traced), timed (and with `profile`, traced and
+  reduced): its result row."""
   error, seconds, planned, reduced = None, None, None, None
-  before = os.environ.get(attention.ENV_VAR)
-  os.environ[attention.ENV_VAR] = implementation
+  before = os.environ.get(attention.SHARED_ENV_VAR)
+  os.environ[attention.SHARED_ENV_VAR] = implementation
   try:
     step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
     if planned:
-      print(f"attention {implementation}: compiled step: scratch {_size(planned['temp_bytes'])}, "
+      print(f"shared attention {implementation}: compiled step: scratch {_size(planned['temp_bytes'])}, "
             f"estimated peak {_size(planned['peak_bytes'])}", flush=True)
     seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
     if profile:
@@ -247,10 +250,10 @@ def time_step(args, target, draft, implementation: str, flops: dict, bandwidth: 
     error = bench_decode.describe_failure(exc)
   finally:
     if before is None:
-      os.environ.pop(attention.ENV_VAR, None)
+      os.environ.pop(attention.SHARED_ENV_VAR, None)
     else:
-      os.environ[attention.ENV_VAR] = before
-  result = {"attention": implementation, "batch": args.batch, "seq_len": args.seq_len,
+      os.environ[attention.SHARED_ENV_VAR] = before
+  result = {"shared_attention": implementation, "batch": args.batch, "seq_len": args.seq_len,
             "anchors": args.anchors, "gamma": args.gamma, "seconds": seconds,
             "model_flops": flops, "error": error, "memory": planned, "profile": reduced}
   if seconds is not None:

@@ -126,18 +126,23 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
   assert set(saved["results"]["e2e"]) == {"in memory", "loaded"}
 
 
-def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys):
+def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys, monkeypatch):
   # --profile: the traced steps reduce to kernel groups whose time is the step's busy time.
   from benchmarks import bench_train
-  # --attention: a step per implementation, side by side (on the CPU both take the einsums).
-  saved, header, (row, xla_row) = run_and_read_table(
+  from dspark_jax.kernels import attention, ragged_attention
+  kernel = ragged_attention.ragged_attention    # the kernel form runs here in the interpreter
+  monkeypatch.setattr(ragged_attention, "ragged_attention",
+                      lambda *a, **kw: kernel(*a, **{**kw, "interpret": True}))
+  monkeypatch.setattr(attention, "_platform", lambda: "gpu")
+  # --shared-attention: a step per form, side by side (the kernel form in the interpreter).
+  saved, header, (row, kernel_row) = run_and_read_table(
       bench_train, "bench_train (", ["--small", "--repeats", "1", "--profile",
                                      str(tmp_path / "profile"), "--trace-repeats", "2",
-                                     "--attention", "auto,xla"],
+                                     "--shared-attention", "xla,ragged"],
       tmp_path / "train.json", capsys)
   result = saved["results"]
-  assert [run["attention"] for run in result["runs"]] == ["auto", "xla"]
-  assert (row[0], xla_row[0]) == ("auto", "xla") and row[6] == "1.000"
+  assert [run["shared_attention"] for run in result["runs"]] == ["xla", "ragged"]
+  assert (row[0], kernel_row[0]) == ("xla", "ragged") and row[6] == "1.000"
   assert result["runs"][1]["profile"] is None and result["runs"][1]["seconds"] > 0
   assert result["error"] is None and result["seconds"] > 0 and result["target_seconds"] > 0
   profile = result["profile"]

@@ -116,7 +116,8 @@ def test_the_drafter_loss_and_gradients_do_not_change_through_the_kernel(monkeyp
   kernel = ragged_attention.ragged_attention
   monkeypatch.setattr(ragged_attention, "ragged_attention", lambda *a, **kw: calls.append(1) or
                       kernel(*a, **{**kw, "interpret": INTERPRET}))
-  monkeypatch.setattr(attention, "choose_cached", lambda q, k, *a, **kw: "ragged")
+  monkeypatch.setattr(attention, "_platform", lambda: "gpu")   # the preconditions hold here
+  monkeypatch.setenv(attention.SHARED_ENV_VAR, "ragged")
   (kernel_loss, _), kernel_grads = run()
   assert calls                                                  # the kernel form ran
   np.testing.assert_allclose(kernel_loss, loss, rtol=1e-5)
@@ -124,3 +125,17 @@ def test_the_drafter_loss_and_gradients_do_not_change_through_the_kernel(monkeyp
     scale = float(np.max(np.abs(r))) or 1.0
     np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(r) / scale, atol=1e-5,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_choice_is_xla_unless_ragged_is_asked_and_bad_requests_are_named(monkeypatch):
+  q, k = jnp.zeros((1, 8, 4, 16), jnp.bfloat16), jnp.zeros((1, 2, 64, 16), jnp.float32)
+  assert attention.choose_shared(q, k, platform="gpu") == "xla"
+  monkeypatch.setenv(attention.SHARED_ENV_VAR, "ragged")
+  assert attention.choose_shared(q, k, platform="gpu") == "ragged"   # k read in q's dtype
+  with pytest.raises(ValueError, match="DSPARK_JAX_SHARED_ATTENTION=ragged: .*'cpu'"):
+    attention.choose_shared(q, k, platform="cpu")
+  with pytest.raises(ValueError, match="S=60 are not a multiple"):
+    attention.choose_shared(q, jnp.zeros((1, 2, 60, 16)), platform="gpu")
+  monkeypatch.setenv(attention.SHARED_ENV_VAR, "cudnn")
+  with pytest.raises(ValueError, match="expected 'xla' or 'ragged', got 'cudnn'"):
+    attention.choose_shared(q, k)

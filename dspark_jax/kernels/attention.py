@@ -53,7 +53,8 @@ implementation setting.
 context: the blocks' queries are laid out as one row of queries per sequence, each with its
 block's prefix length as its limit, and read the sequence's context once (`shared_limited_part`,
 in query tiles whose scores are recomputed in the backward pass), so no context is copied per
-block and no [blocks, context] score tensor is kept for the gradient. On a GPU its forward is the
+block and no [blocks, context] score tensor is kept for the gradient. With
+``DSPARK_JAX_SHARED_ATTENTION=ragged`` (`choose_shared`; default ``xla``), its forward is the
 ragged kernel and its backward a tiled pass of its own (`kernels.shared_attention`).
 """
 
@@ -619,6 +620,29 @@ def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
   return _join(prefix, block, q.dtype)
 
 
+SHARED_ENV_VAR = "DSPARK_JAX_SHARED_ATTENTION"
+
+
+def choose_shared(q, k, platform: str | None = None) -> str:
+  """``"xla"`` or ``"ragged"``: the form of training's shared-context attention
+  (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k` [B, K, S, D].
+  ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles) or ``ragged``
+  (`kernels.shared_attention`: the ragged kernel's forward, reading k and v in q's dtype).
+
+  Raises:
+    ValueError: an unknown value, or ``ragged`` where the kernel's preconditions fail (naming
+      the first).
+  """
+  requested = os.environ.get(SHARED_ENV_VAR, "xla") or "xla"
+  if requested not in ("xla", "ragged"):
+    raise ValueError(f"{SHARED_ENV_VAR}: expected 'xla' or 'ragged', got {requested!r}")
+  if requested == "ragged":
+    failed = ragged_precondition(q, jax.ShapeDtypeStruct(k.shape, q.dtype), platform)
+    if failed:
+      raise ValueError(f"{SHARED_ENV_VAR}=ragged: precondition failed: {failed}")
+  return requested
+
+
 SHARED_QUERY_TILE = 512
 """Queries per tile of `shared_limited_part`: its scratch holds one [B, N, tile, S] tile of float32
 scores, in the forward pass and again in the backward pass."""
@@ -632,12 +656,10 @@ def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Ar
   what is kept for the gradient is the queries, keys and values and the (lse, out) part, and the
   scratch is one tile of scores. Every query's softmax is the same reduction as in
   `limited_part`, so the result is identical. `tile` defaults to `SHARED_QUERY_TILE` (read at
-  the call). Where the ragged kernel may run (`choose_cached`: a GPU), the forward is that kernel
-  and the backward a tiled pass of its own (`shared_attention.limited_part_kernel`): equal within
-  bf16 rounding, with no scores in memory in the forward. Returns (lse [B, K, G, T],
-  out [B, K, G, T, D])."""
-  same = jax.ShapeDtypeStruct(k.shape, q.dtype)           # the kernel reads k, v in q's dtype
-  if choose_cached(q, same) == "ragged":
+  the call). Where `choose_shared` says ``"ragged"``, the forward is that kernel and the backward
+  a tiled pass of its own (`shared_attention.limited_part_kernel`): equal within bf16 rounding,
+  with no scores in memory in the forward. Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
+  if choose_shared(q, k) == "ragged":
     from dspark_jax.kernels import shared_attention
     return shared_attention.limited_part_kernel(q, k.astype(q.dtype), v.astype(q.dtype), limits)
   b, t, n, d = q.shape
