@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
   parser.add_argument("--shared-attention", default="xla",
                       help="comma list of forms of the draft's shared-context attention to time "
-                           f"side by side (${attention.SHARED_ENV_VAR} for each step: xla, "
-                           "ragged; default xla)")
+                           f"side by side (${attention.SHARED_ENV_VAR} for each step: "
+                           f"{', '.join(attention.SHARED_FORMS)}; default xla)")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace steps into DIR and print their kernels by group")
   parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")
@@ -83,9 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error(f"--seq-len: needs at least γ + 2 = {args.gamma + 2} tokens")
   args.shared_attention = [name.strip() for name in args.shared_attention.split(",")
                            if name.strip()]
-  if not args.shared_attention or any(name not in ("xla", "ragged")
+  if not args.shared_attention or any(name not in attention.SHARED_FORMS
                                       for name in args.shared_attention):
-    parser.error("--shared-attention: expected a comma list of xla, ragged")
+    parser.error(f"--shared-attention: expected a comma list of "
+                 f"{', '.join(attention.SHARED_FORMS)}")
   return args
 
 

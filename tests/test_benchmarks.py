@@ -129,10 +129,11 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
 def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys, monkeypatch):
   # --profile: the traced steps reduce to kernel groups whose time is the step's busy time.
   from benchmarks import bench_train
-  from dspark_jax.kernels import attention, ragged_attention
-  kernel = ragged_attention.ragged_attention    # the kernel form runs here in the interpreter
-  monkeypatch.setattr(ragged_attention, "ragged_attention",
-                      lambda *a, **kw: kernel(*a, **{**kw, "interpret": True}))
+  from dspark_jax.kernels import attention, ragged_attention, shared_attention
+  for module, name in ((ragged_attention, "ragged_attention"),   # kernels in the interpreter
+                       (shared_attention, "backward_kernels")):
+    monkeypatch.setattr(module, name, lambda *a, fn=getattr(module, name), **kw: fn(
+        *a, **{**kw, "interpret": True}))
   monkeypatch.setattr(attention, "_platform", lambda: "gpu")
   # --shared-attention: a step per form, side by side (the kernel form in the interpreter).
   saved, header, (row, kernel_row) = run_and_read_table(

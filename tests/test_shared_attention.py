@@ -42,8 +42,9 @@ def _objective(part, weights):
   return f
 
 
-def _kernel(q, k, v, limits):
-  return shared_attention.limited_part_kernel(q, k, v, limits, tile=16, interpret=INTERPRET)
+def _kernel(backward):
+  return lambda q, k, v, limits: shared_attention.limited_part_kernel(
+      q, k, v, limits, backward=backward, interpret=INTERPRET)
 
 
 def _relative(x, ref):
@@ -54,13 +55,15 @@ def _relative(x, ref):
 
 
 @pytest.mark.kernel
-def test_values_and_gradients_equal_the_xla_part_in_float32():
+@pytest.mark.parametrize("backward", ["kernel", "xla"])
+def test_values_and_gradients_equal_the_xla_part_in_float32(backward, monkeypatch):
+  monkeypatch.setattr(shared_attention, "BACKWARD_QUERY_TILE", 16)   # 3 tiles, the last short
   q, k, v, limits, weights = _inputs(0, jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = attention.limited_part(q, k, v, limits)
-    got = _kernel(q, k, v, limits)
+    got = _kernel(backward)(q, k, v, limits)
     ref_grads = jax.grad(_objective(attention.limited_part, weights), (0, 1, 2))(q, k, v, limits)
-    grads = jax.grad(_objective(_kernel, weights), (0, 1, 2))(q, k, v, limits)
+    grads = jax.grad(_objective(_kernel(backward), weights), (0, 1, 2))(q, k, v, limits)
   for x, r in zip(got, ref):
     assert x.dtype == jnp.float32 and x.shape == r.shape
     assert _relative(x, r) < 1e-5
@@ -73,15 +76,16 @@ def test_values_and_gradients_equal_the_xla_part_in_float32():
 
 
 @pytest.mark.kernel
-def test_bfloat16_inputs_stay_within_bf16_rounding_of_float32():
+@pytest.mark.parametrize("backward", ["kernel", "xla"])
+def test_bfloat16_inputs_stay_within_bf16_rounding_of_float32(backward):
   q, k, v, limits, weights = _inputs(1, jnp.bfloat16)
   up = lambda x: x.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = attention.limited_part(up(q), up(k), up(v), limits)
     ref_grads = jax.grad(_objective(attention.limited_part, weights), (0, 1, 2))(
         up(q), up(k), up(v), limits)
-  got = _kernel(q, k, v, limits)
-  grads = jax.grad(_objective(_kernel, weights), (0, 1, 2))(q, k, v, limits)
+  got = _kernel(backward)(q, k, v, limits)
+  grads = jax.grad(_objective(_kernel(backward), weights), (0, 1, 2))(q, k, v, limits)
   assert _relative(got[0], ref[0]) < 2 ** -8 and _relative(got[1], ref[1]) < 2 ** -6
   for name, g, r in zip("qkv", grads, ref_grads):
     assert g.dtype == jnp.bfloat16, name
@@ -113,13 +117,15 @@ def test_the_drafter_loss_and_gradients_do_not_change_through_the_kernel(monkeyp
 
   (loss, _), grads = run()
   calls = []
-  kernel = ragged_attention.ragged_attention
+  kernel, backward = ragged_attention.ragged_attention, shared_attention.backward_kernels
   monkeypatch.setattr(ragged_attention, "ragged_attention", lambda *a, **kw: calls.append(1) or
                       kernel(*a, **{**kw, "interpret": INTERPRET}))
+  monkeypatch.setattr(shared_attention, "backward_kernels", lambda *a, **kw: calls.append(2) or
+                      backward(*a, **{**kw, "interpret": INTERPRET}))
   monkeypatch.setattr(attention, "_platform", lambda: "gpu")   # the preconditions hold here
   monkeypatch.setenv(attention.SHARED_ENV_VAR, "ragged")
   (kernel_loss, _), kernel_grads = run()
-  assert calls                                                  # the kernel form ran
+  assert set(calls) == {1, 2}                      # the kernel forward and backward ran
   np.testing.assert_allclose(kernel_loss, loss, rtol=1e-5)
   for (path, g), r in zip(jax.tree.leaves_with_path(kernel_grads), jax.tree.leaves(grads)):
     scale = float(np.max(np.abs(r))) or 1.0
@@ -137,5 +143,29 @@ def test_the_choice_is_xla_unless_ragged_is_asked_and_bad_requests_are_named(mon
   with pytest.raises(ValueError, match="S=60 are not a multiple"):
     attention.choose_shared(q, jnp.zeros((1, 2, 60, 16)), platform="gpu")
   monkeypatch.setenv(attention.SHARED_ENV_VAR, "cudnn")
-  with pytest.raises(ValueError, match="expected 'xla' or 'ragged', got 'cudnn'"):
+  with pytest.raises(ValueError, match="expected one of xla, ragged, ragged_fwd, got 'cudnn'"):
     attention.choose_shared(q, k)
+
+
+@pytest.mark.kernel
+def test_backward_kernels_skip_the_blocks_past_ascending_limits_and_stay_exact():
+  # Ascending limits (anchors in order) over blocks of 16 slots: the dK/dV instances of the early
+  # blocks see every query tile, the late ones skip most; T = 70 queries x G = 4 heads make three
+  # query tiles of 32, the last short.
+  rng = np.random.default_rng(3)
+  b, t, n, heads, d, slots = 1, 70, 8, 2, 16, 128
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, heads, slots, d)), jnp.float32) for _ in range(2))
+  limits = jnp.asarray(np.sort(rng.integers(0, slots + 1, (b, t)), axis=1), jnp.int32)
+  weights = (jnp.asarray(rng.normal(size=(b, heads, n // heads, t)), jnp.float32),
+             jnp.asarray(rng.normal(size=(b, heads, n // heads, t, d)), jnp.float32))
+  with jax.default_matmul_precision("highest"):
+    ref = jax.grad(_objective(attention.limited_part, weights), (0, 1, 2))(q, k, v, limits)
+    out, lse = ragged_attention.ragged_attention(q, k, v, limits, interpret=INTERPRET)
+    tokens = lambda x: jnp.moveaxis(x, 3, 1).reshape(b, t, n, *x.shape[4:])
+    do, d_lse = tokens(weights[1]), jnp.where(jnp.isfinite(lse), tokens(weights[0]), 0.0)
+    grads = shared_attention.backward_kernels(q, k, v, limits, do, lse,
+                                              jnp.sum(do * out, axis=-1) - d_lse, block_kv=16,
+                                              interpret=INTERPRET)
+  for name, g, r in zip("qkv", grads, ref):
+    assert _relative(g, r) < 1e-5, (name, _relative(g, r))

@@ -55,7 +55,7 @@ block's prefix length as its limit, and read the sequence's context once (`share
 in query tiles whose scores are recomputed in the backward pass), so no context is copied per
 block and no [blocks, context] score tensor is kept for the gradient. With
 ``DSPARK_JAX_SHARED_ATTENTION=ragged`` (`choose_shared`; default ``xla``), its forward is the
-ragged kernel and its backward a tiled pass of its own (`kernels.shared_attention`).
+ragged kernel and its backward Pallas kernels of its own (`kernels.shared_attention`).
 """
 
 from __future__ import annotations
@@ -621,25 +621,29 @@ def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
 
 
 SHARED_ENV_VAR = "DSPARK_JAX_SHARED_ATTENTION"
+SHARED_FORMS = ("xla", "ragged", "ragged_fwd")
 
 
 def choose_shared(q, k, platform: str | None = None) -> str:
-  """``"xla"`` or ``"ragged"``: the form of training's shared-context attention
-  (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k` [B, K, S, D].
-  ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles) or ``ragged``
-  (`kernels.shared_attention`: the ragged kernel's forward, reading k and v in q's dtype).
+  """``"xla"``, ``"ragged"`` or ``"ragged_fwd"``: the form of training's shared-context
+  attention (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k`
+  [B, K, S, D]. ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles),
+  ``ragged`` (`kernels.shared_attention`: the ragged kernel's forward and Pallas kernels for the
+  backward, reading k and v in q's dtype) or ``ragged_fwd`` (that forward, the backward in
+  einsums).
 
   Raises:
     ValueError: an unknown value, or ``ragged`` where the kernel's preconditions fail (naming
       the first).
   """
   requested = os.environ.get(SHARED_ENV_VAR, "xla") or "xla"
-  if requested not in ("xla", "ragged"):
-    raise ValueError(f"{SHARED_ENV_VAR}: expected 'xla' or 'ragged', got {requested!r}")
-  if requested == "ragged":
+  if requested not in SHARED_FORMS:
+    raise ValueError(f"{SHARED_ENV_VAR}: expected one of {', '.join(SHARED_FORMS)}, got "
+                     f"{requested!r}")
+  if requested != "xla":
     failed = ragged_precondition(q, jax.ShapeDtypeStruct(k.shape, q.dtype), platform)
     if failed:
-      raise ValueError(f"{SHARED_ENV_VAR}=ragged: precondition failed: {failed}")
+      raise ValueError(f"{SHARED_ENV_VAR}={requested}: precondition failed: {failed}")
   return requested
 
 
@@ -656,12 +660,15 @@ def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Ar
   what is kept for the gradient is the queries, keys and values and the (lse, out) part, and the
   scratch is one tile of scores. Every query's softmax is the same reduction as in
   `limited_part`, so the result is identical. `tile` defaults to `SHARED_QUERY_TILE` (read at
-  the call). Where `choose_shared` says ``"ragged"``, the forward is that kernel and the backward
-  a tiled pass of its own (`shared_attention.limited_part_kernel`): equal within bf16 rounding,
-  with no scores in memory in the forward. Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
-  if choose_shared(q, k) == "ragged":
+  the call). Where `choose_shared` names a kernel form, the forward is the ragged kernel and the
+  backward Pallas kernels or einsums (`shared_attention.limited_part_kernel`): equal within bf16
+  rounding. Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
+  form = choose_shared(q, k)
+  if form != "xla":
     from dspark_jax.kernels import shared_attention
-    return shared_attention.limited_part_kernel(q, k.astype(q.dtype), v.astype(q.dtype), limits)
+    return shared_attention.limited_part_kernel(
+        q, k.astype(q.dtype), v.astype(q.dtype), limits,
+        backward="kernel" if form == "ragged" else "xla")
   b, t, n, d = q.shape
   tile = max(1, min(tile or SHARED_QUERY_TILE, t))
   tiles = -(-t // tile)

@@ -381,7 +381,8 @@ def lm_batches(stream: np.ndarray, batch: int, length: int, seed: int) -> Callab
 def draft_batches(sequences: np.ndarray, batch: int, anchors: int, gamma: int, first_anchor: int,
                   seed: int) -> Callable[[int], tuple[jax.Array, jax.Array]]:
   """``step -> (tokens [batch, L], anchors [batch, A])``: random sequences and anchor positions in
-  ``first_anchor .. L - γ - 1``, a pure function of the step."""
+  ``first_anchor .. L - γ - 1``, ascending in each row (`masked_draft_batches` says why), a pure
+  function of the step."""
   length = sequences.shape[1]
   if not 1 <= first_anchor <= length - gamma - 1:
     raise ValueError(f"first_anchor: {first_anchor} leaves no room for a block of γ={gamma} in "
@@ -390,7 +391,7 @@ def draft_batches(sequences: np.ndarray, batch: int, anchors: int, gamma: int, f
   def at(step: int):
     rng = np.random.default_rng((seed, step))
     rows = rng.integers(0, len(sequences), batch)
-    where = rng.integers(first_anchor, length - gamma, (batch, anchors))
+    where = np.sort(rng.integers(first_anchor, length - gamma, (batch, anchors)), axis=1)
     return (jnp.asarray(sequences[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)))
   return at
 
@@ -399,8 +400,11 @@ def masked_draft_batches(tokens: np.ndarray, mask: np.ndarray, batch: int, ancho
                          gamma: int, seed: int) -> Callable[[int], tuple[jax.Array, ...]]:
   """``step -> (tokens [batch, L], anchors [batch, A], mask [batch, L])``: random rows of packed
   data and anchors among each row's valid positions (``1 <= p <= L - γ - 1`` with ``mask[p + 1]``:
-  the block's first prediction is a response token), drawn with replacement; a pure function of
-  the step. Rows without a valid position are never drawn.
+  the block's first prediction is a response token), drawn with replacement and ascending in each
+  row, as DeepSpec orders them (the loss does not depend on the order; the ragged kernel's form of
+  the shared context attention, `kernels.shared_attention`, reads a tile of queries' context only
+  up to its last anchor); a pure function of the step. Rows without a valid position are never
+  drawn.
 
   Raises:
     ValueError: shapes that differ, or no row with a valid anchor (naming `mask`).
@@ -422,7 +426,7 @@ def masked_draft_batches(tokens: np.ndarray, mask: np.ndarray, batch: int, ancho
   def at(step: int):
     rng = np.random.default_rng((seed, step))
     rows = usable[rng.integers(0, usable.size, batch)]
-    where = np.stack([positions[r][rng.integers(0, counts[r], anchors)] for r in rows])
+    where = np.sort([positions[r][rng.integers(0, counts[r], anchors)] for r in rows], axis=1)
     return (jnp.asarray(tokens[rows].astype(np.int32)), jnp.asarray(where.astype(np.int32)),
             jnp.asarray(mask[rows]))
   return at
