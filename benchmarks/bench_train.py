@@ -31,12 +31,17 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
 * with ``--profile DIR``, where the step's time goes: ``--trace-repeats`` steps traced into DIR
   (`bench_profile.trace_call`, the optimized HLO beside them) and reduced to `bench_profile`'s
   kernel table (kernel groups by HLO op, µs per step, share of the busy time, bytes and FLOPs
-  against their floors at this run's rates), also in the JSON under ``profile``.
+  against their floors at this run's rates), also in the JSON under ``profile``;
+* with ``--shared-attention xla,ragged,...``, one step per form of the draft's shared-context
+  attention (``$DSPARK_JAX_SHARED_ATTENTION``, `kernels.attention.choose_shared`), side by side
+  in one process, each row with its time against the first's (``× first``); the profile is the
+  first form's. The JSON's ``runs`` holds every row.
 
   python -m benchmarks.bench_train --small                   # CPU smoke check
   python -m benchmarks.bench_train                           # DeepSpec's: 1 x 4096, 512 anchors
   python -m benchmarks.bench_train --batch 2 --seq-len 2048 --anchors 64
   python -m benchmarks.bench_train --profile /tmp/train_profile   # and its kernels by group
+  python -m benchmarks.bench_train --shared-attention xla,ragged     # the flash form against it
 """
 
 from __future__ import annotations
