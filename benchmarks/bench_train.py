@@ -32,7 +32,7 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
   (`bench_profile.trace_call`, the optimized HLO beside them) and reduced to `bench_profile`'s
   kernel table (kernel groups by HLO op, µs per step, share of the busy time, bytes and FLOPs
   against their floors at this run's rates), also in the JSON under ``profile``;
-* with ``--shared-attention xla,ragged,...``, one step per form of the draft's shared-context
+* with ``--shared-attention xla,ragged``, one step per form of the draft's shared-context
   attention (``$DSPARK_JAX_SHARED_ATTENTION``, `kernels.attention.choose_shared`), side by side
   in one process, each row with its time against the first's (``× first``); the profile is the
   first form's. The JSON's ``runs`` holds every row.

@@ -42,9 +42,10 @@ def _objective(part, weights):
   return f
 
 
-def _kernel(backward):
-  return lambda q, k, v, limits: shared_attention.limited_part_kernel(
-      q, k, v, limits, backward=backward, interpret=INTERPRET)
+def _kernel(q, k, v, limits):
+  """The kernel form in `attention.limited_part`'s layout, as `shared_limited_part` takes it."""
+  return attention.kernel_part(
+      *shared_attention.limited_part_kernel(q, k, v, limits, interpret=INTERPRET), k.shape[1])
 
 
 def _relative(x, ref):
@@ -55,15 +56,13 @@ def _relative(x, ref):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("backward", ["kernel", "xla"])
-def test_values_and_gradients_equal_the_xla_part_in_float32(backward, monkeypatch):
-  monkeypatch.setattr(shared_attention, "BACKWARD_QUERY_TILE", 16)   # 3 tiles, the last short
+def test_values_and_gradients_equal_the_xla_part_in_float32():
   q, k, v, limits, weights = _inputs(0, jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = attention.limited_part(q, k, v, limits)
-    got = _kernel(backward)(q, k, v, limits)
+    got = _kernel(q, k, v, limits)
     ref_grads = jax.grad(_objective(attention.limited_part, weights), (0, 1, 2))(q, k, v, limits)
-    grads = jax.grad(_objective(_kernel(backward), weights), (0, 1, 2))(q, k, v, limits)
+    grads = jax.grad(_objective(_kernel, weights), (0, 1, 2))(q, k, v, limits)
   for x, r in zip(got, ref):
     assert x.dtype == jnp.float32 and x.shape == r.shape
     assert _relative(x, r) < 1e-5
@@ -76,16 +75,15 @@ def test_values_and_gradients_equal_the_xla_part_in_float32(backward, monkeypatc
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("backward", ["kernel", "xla"])
-def test_bfloat16_inputs_stay_within_bf16_rounding_of_float32(backward):
+def test_bfloat16_inputs_stay_within_bf16_rounding_of_float32():
   q, k, v, limits, weights = _inputs(1, jnp.bfloat16)
   up = lambda x: x.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
     ref = attention.limited_part(up(q), up(k), up(v), limits)
     ref_grads = jax.grad(_objective(attention.limited_part, weights), (0, 1, 2))(
         up(q), up(k), up(v), limits)
-  got = _kernel(backward)(q, k, v, limits)
-  grads = jax.grad(_objective(_kernel(backward), weights), (0, 1, 2))(q, k, v, limits)
+  got = _kernel(q, k, v, limits)
+  grads = jax.grad(_objective(_kernel, weights), (0, 1, 2))(q, k, v, limits)
   assert _relative(got[0], ref[0]) < 2 ** -8 and _relative(got[1], ref[1]) < 2 ** -6
   for name, g, r in zip("qkv", grads, ref_grads):
     assert g.dtype == jnp.bfloat16, name
@@ -143,7 +141,7 @@ def test_the_choice_is_xla_unless_ragged_is_asked_and_bad_requests_are_named(mon
   with pytest.raises(ValueError, match="S=60 are not a multiple"):
     attention.choose_shared(q, jnp.zeros((1, 2, 60, 16)), platform="gpu")
   monkeypatch.setenv(attention.SHARED_ENV_VAR, "cudnn")
-  with pytest.raises(ValueError, match="expected one of xla, ragged, ragged_fwd, got 'cudnn'"):
+  with pytest.raises(ValueError, match="expected one of xla, ragged, got 'cudnn'"):
     attention.choose_shared(q, k)
 
 

@@ -621,16 +621,15 @@ def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
 
 
 SHARED_ENV_VAR = "DSPARK_JAX_SHARED_ATTENTION"
-SHARED_FORMS = ("xla", "ragged", "ragged_fwd")
+SHARED_FORMS = ("xla", "ragged")
 
 
 def choose_shared(q, k, platform: str | None = None) -> str:
-  """``"xla"``, ``"ragged"`` or ``"ragged_fwd"``: the form of training's shared-context
-  attention (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k`
-  [B, K, S, D]. ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles),
-  ``ragged`` (`kernels.shared_attention`: the ragged kernel's forward and Pallas kernels for the
-  backward, reading k and v in q's dtype) or ``ragged_fwd`` (that forward, the backward in
-  einsums).
+  """``"xla"`` or ``"ragged"``: the form of training's shared-context attention
+  (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k` [B, K, S, D].
+  ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles) or ``ragged``
+  (`kernels.shared_attention`: the ragged kernel's forward and Pallas kernels for the backward,
+  reading k and v in q's dtype).
 
   Raises:
     ValueError: an unknown value, or ``ragged`` where the kernel's preconditions fail (naming
@@ -660,15 +659,13 @@ def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Ar
   what is kept for the gradient is the queries, keys and values and the (lse, out) part, and the
   scratch is one tile of scores. Every query's softmax is the same reduction as in
   `limited_part`, so the result is identical. `tile` defaults to `SHARED_QUERY_TILE` (read at
-  the call). Where `choose_shared` names a kernel form, the forward is the ragged kernel and the
-  backward Pallas kernels or einsums (`shared_attention.limited_part_kernel`): equal within bf16
-  rounding. Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
-  form = choose_shared(q, k)
-  if form != "xla":
+  the call). Where `choose_shared` says ``"ragged"``, the forward is the ragged kernel and the
+  backward Pallas kernels (`shared_attention.limited_part_kernel`): equal within bf16 rounding.
+  Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
+  if choose_shared(q, k) == "ragged":
     from dspark_jax.kernels import shared_attention
-    return shared_attention.limited_part_kernel(
-        q, k.astype(q.dtype), v.astype(q.dtype), limits,
-        backward="kernel" if form == "ragged" else "xla")
+    return kernel_part(*shared_attention.limited_part_kernel(
+        q, k.astype(q.dtype), v.astype(q.dtype), limits), k.shape[1])
   b, t, n, d = q.shape
   tile = max(1, min(tile or SHARED_QUERY_TILE, t))
   tiles = -(-t // tile)

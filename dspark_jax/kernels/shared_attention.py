@@ -3,8 +3,9 @@
 This module owns `limited_part_kernel`, the differentiable counterpart of
 `attention.limited_part` that `attention.shared_limited_part` takes where `attention.choose_shared`
 says so: [B, T, N, D] queries over head-major [B, K, S, D] keys/values, query (b, t) seeing slots
-``s < limits[b, t]``, returned as a softmax part (lse [B, K, G, T], out [B, K, G, T, D],
-float32) for `attention.join_block` to join with the blocks' own part.
+``s < limits[b, t]``, returned in the kernel's layout (out [B, T, N, D], lse [B, T, N], float32),
+which `attention.kernel_part` turns into a softmax part for `attention.join_block` to join with
+the blocks' own part.
 
 * **Forward:** `ragged_attention.ragged_attention` in query tiles: scores live in on-chip tiles,
   never in memory, and a tile reads the key/value blocks up to its own queries' longest limit.
@@ -20,8 +21,6 @@ float32) for `attention.join_block` to join with the blocks' own part.
   ``dV = pᵀ·dO``, with dS and p rounded to the value dtype as the forward rounds p. With anchors
   in ascending order (`trainer.masked_draft_batches`) a query tile's limits are close together,
   so the blocks past them are skipped in all three kernels.
-  ``backward="xla"``: the same products as einsums in query tiles of `BACKWARD_QUERY_TILE`
-  (`lax.scan`), one tile of float32 scores in memory at a time.
 
 The result equals `attention.limited_part` and its gradients within bf16 rounding (the output
 is rounded to q's dtype once, as the kernel writes it). A query with limit 0 gets lse = -inf,
@@ -40,20 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from dspark_jax.kernels import ragged_attention
 
-BACKWARD_QUERY_TILE = 512
-"""Queries per tile of the backward pass: its scratch is one [B, N, tile, S] float32 tile."""
-
-
-def _by_head(x: jax.Array, heads: int) -> jax.Array:
-  """[B, T, N, ...] -> [B, K, G, T, ...] (query head h = k·G + g)."""
-  b, t, n = x.shape[:3]
-  return jnp.moveaxis(x.reshape(b, t, heads, n // heads, *x.shape[3:]), 1, 3)
-
 
 def _forward(q, k, v, limits, interpret):
   out, lse = ragged_attention.ragged_attention(q, k, v, limits, interpret=interpret)
-  heads = k.shape[1]
-  return (_by_head(lse, heads), _by_head(out.astype(jnp.float32), heads)), (out, lse)
+  return (out.astype(jnp.float32), lse), (out, lse)
 
 
 def _tile_rows(b, h, tile, rows: int, groups: int, per_tile: int, t_count: int, d: int):
@@ -180,93 +169,40 @@ def backward_kernels(q, k, v, limits, do, lse, delta, *, block_kv: int | None = 
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _limited(q, k, v, limits, backward, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _limited(q, k, v, limits, interpret):
   return _forward(q, k, v, limits, interpret)[0]
 
 
-def _limited_fwd(q, k, v, limits, backward, interpret):
+def _limited_fwd(q, k, v, limits, interpret):
   part, (out, lse) = _forward(q, k, v, limits, interpret)
   return part, (q, k, v, limits, out, lse)
 
 
-def _limited_bwd(backward, interpret, residuals, cotangents):
+def _limited_bwd(interpret, residuals, cotangents):
   q, k, v, limits, out, lse = residuals
-  d_lse, d_out = cotangents                                 # [B, K, G, T], [B, K, G, T, D]
-  b, t, n, d = q.shape
-  if backward == "kernel":
-    tokens = lambda x: jnp.moveaxis(x, 3, 1).reshape(b, t, n, *x.shape[4:])   # -> [B, T, N, ...]
-    do = tokens(d_out.astype(jnp.float32))
-    delta = jnp.sum(do * out.astype(jnp.float32), axis=-1) - tokens(d_lse)
-    dq, dk, dv = backward_kernels(q, k, v, limits, do.astype(q.dtype), lse, delta,
-                                  interpret=interpret)
-    return dq, dk, dv, None
-  return _xla_backward(q, k, v, limits, out, lse, d_lse, d_out)
-
-
-def _xla_backward(q, k, v, limits, out, lse, d_lse, d_out):
-  """The backward pass in XLA, in query tiles of `BACKWARD_QUERY_TILE` (module docstring)."""
-  b, t, n, d = q.shape
-  heads, slots = k.shape[1], k.shape[2]
-  groups = n // heads
-  scale = 1.0 / jnp.sqrt(jnp.float32(d))
-  d_out = d_out.astype(jnp.float32)
-  delta = jnp.sum(d_out * _by_head(out.astype(jnp.float32), heads), axis=-1) - d_lse
-  lse = _by_head(lse, heads)                                # [B, K, G, T]
-  tile = max(1, min(BACKWARD_QUERY_TILE, t))
-  tiles = -(-t // tile)
-  pad = tiles * tile - t
-
-  def in_tiles(x, axis):                                    # [..T..] -> [tiles, ..tile..]
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    x = jnp.pad(x, widths)
-    x = x.reshape(*x.shape[:axis], tiles, tile, *x.shape[axis + 1:])
-    return jnp.moveaxis(x, axis, 0)
-
-  xs = (in_tiles(q.reshape(b, t, heads, groups, d), 1), in_tiles(limits.astype(jnp.int32), 1),
-        in_tiles(lse, 3), in_tiles(delta, 3), in_tiles(d_out, 3))
-  slot = jnp.arange(slots, dtype=jnp.int32)
-
-  def step(carry, x):
-    dk, dv = carry
-    qt, lim, lse_t, delta_t, dout_t = x     # [B,tile,K,G,D], [B,tile], [B,K,G,tile](,D)
-    seen = (slot[None, None, :] < lim[:, :, None])[:, None, None]           # [B,1,1,tile,S]
-    scores = jnp.einsum("btkgd,bksd->bkgts", qt, k, preferred_element_type=jnp.float32) * scale
-    finite = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)
-    p = jnp.where(seen, jnp.exp(scores - finite[..., None]), 0.0)
-    dp = jnp.einsum("bkgtd,bksd->bkgts", dout_t.astype(v.dtype), v,
-                    preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta_t[..., None])).astype(q.dtype)
-    dq = jnp.einsum("bkgts,bksd->btkgd", ds, k, preferred_element_type=jnp.float32) * scale
-    dk = dk + jnp.einsum("bkgts,btkgd->bksd", ds, qt, preferred_element_type=jnp.float32) * scale
-    dv = dv + jnp.einsum("bkgts,bkgtd->bksd", p.astype(v.dtype), dout_t.astype(v.dtype),
-                         preferred_element_type=jnp.float32)
-    return (dk, dv), dq.astype(q.dtype)
-
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), xs)
-  dq = jnp.moveaxis(dq, 0, 1).reshape(b, tiles * tile, n, d)[:, :t]
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+  d_out, d_lse = cotangents                                 # [B, T, N, D], [B, T, N]
+  delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse
+  dq, dk, dv = backward_kernels(q, k, v, limits, d_out.astype(q.dtype), lse, delta,
+                                interpret=interpret)
+  return dq, dk, dv, None
 
 
 _limited.defvjp(_limited_fwd, _limited_bwd)
 
 
 def limited_part_kernel(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array, *,
-                        backward: str = "kernel", interpret: bool = False):
-  """`attention.limited_part` through the ragged kernel, differentiable (module docstring).
+                        interpret: bool = False):
+  """The ragged kernel's attention, differentiable (module docstring).
 
   Args:
     q: [B, T, N, D]. k, v: head-major [B, K, S, D] in q's dtype (`ragged_attention.precondition`
       lists the rest). limits: [B, T] int, each in 0..S.
-    backward: ``"kernel"`` (`backward_kernels`) or ``"xla"`` (einsums in query tiles of
-      `BACKWARD_QUERY_TILE`).
     interpret: run the kernels in Pallas' interpreter (the CPU).
 
   Returns:
-    (lse [B, K, G, T], out [B, K, G, T, D]), float32; -inf and zeros where a query sees no slot.
+    (out [B, T, N, D] float32, the kernel's q-dtype values; lse [B, T, N] float32), zeros and
+    -inf where a query sees no slot: the kernel's own layout (`attention.kernel_part` turns it
+    into `attention.limited_part`'s).
   """
-  if backward not in ("kernel", "xla"):
-    raise ValueError(f"backward: expected 'kernel' or 'xla', got {backward!r}")
-  return _limited(q, k, v, limits.astype(jnp.int32), backward, bool(interpret))
+  return _limited(q, k, v, limits.astype(jnp.int32), bool(interpret))
