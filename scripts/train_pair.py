@@ -16,10 +16,14 @@ table last):
               calibration files (as DeepSpec regenerates answers with the target): 64-token prompts,
               192 generated tokens, half the rows greedy and half sampled at T = 1.
   draft       the DSpark drafter (block 7, vanilla sequential head, confidence head), SPEC §8 loss
-              (0.1·CE + 0.9·TV + 1.0·BCE, position weights exp(-(k-1)/4)). It reads target layers
-              spread like Qwen3-4B's (1, 9, 17, 25, 33) of 36, never the final one.
-  ablation    the same drafter without the sequential head (W2 = 0: a DFlash-style parallel drafter),
-              same data, same steps and learning-rate schedule, same seed.
+              (0.1·CE + 0.9·TV + 1.0·BCE, position weights exp(-(k-1)/4)), trained by ``dspark-jax
+              train``'s function (`dspark_jax.train.drafter.train_drafter`) from the target written
+              as a Hugging Face directory (``hf_target/``) and the draft-data sequences as token
+              rows (``draft_rows.npz``: the loss on the continuation); the run resumes from
+              ``draft/``. It reads target layers spread like Qwen3-4B's (1, 9, 17, 25, 33) of 36,
+              never the final one.
+  ablation    the same drafter without the sequential head (head "none": a DFlash-style parallel
+              drafter), same data, seed and learning-rate schedule (the drafter's horizon).
   calibrate   speculative decoding (fixed schedule: every position verified) of prompts from the
               calibration files, half greedy and half T = 1 (``--calibration-temperatures``), with
               ``trace=True``; Sequential Temperature Scaling of the draft's confidence head
@@ -34,19 +38,11 @@ table last):
               read back with `dspark_jax.load_pretrained` as a check. Part of ``all`` when
               ``--hf-dir`` is given.
 
-A check, run on its own after ``draft`` (not part of ``all``):
-
-  draft-command  the drafter trained again through ``dspark-jax train``'s function
-              (`dspark_jax.train.drafter.train_drafter`) on the same rows (the draft-data
-              sequences as an ``.npz`` of token rows, the loss on the continuation), step count,
-              batch, anchors, learning rate and optimizer settings, from the target exported as a
-              Hugging Face directory (``hf_target/``); writes ``draft_command/`` (DeepSpec format)
-              and both drafters' greedy τ on the held-out prompts.
-
-Time. Training stages measure their step rate after compiling (a short probe inside the warm-up,
-whose learning rates do not depend on the horizon) and fit their step count to the stage's budget,
-then set the cosine schedule's horizon to it; the fitted count is logged, so ``--target-steps N``
-without a budget repeats a run. The ablation takes the drafter's step count and schedule. With
+Time. The target and drafter stages measure their step rate after compiling (a short probe inside
+the warm-up, whose learning rates do not depend on the horizon) and fit their step count to the
+stage's budget, then set the cosine schedule's horizon to it (`Trainer`'s ``fit_horizon``; the
+command's ``--fit-budget``); the fitted count is logged, so ``--target-steps N`` without a budget
+repeats a run. The ablation takes the drafter's horizon and is cut by its own budget. With
 ``--stage all`` each stage's budget is its share of ``--total-seconds`` (``--budgets`` overrides
 the shares); a single stage uses ``--max-seconds`` (none: no limit, no fitting).
 
@@ -103,8 +99,6 @@ STAGES = ("data", "target", "draft-data", "draft", "ablation", "calibrate", "exp
 BUDGETS = {"data": 50.0, "target": 190.0, "draft-data": 35.0, "draft": 80.0, "ablation": 70.0,
            "calibrate": 45.0, "export": 15.0, "export-hf": 10.0}
 """Default seconds per stage under ``--stage all`` (shares of ``--total-seconds``)."""
-CHECKS = ("draft-command",)
-"""Stages run on their own only, after ``all`` (or its stages up to ``draft``)."""
 FITTED = ("target", "draft")
 """Stages whose step count is fitted to their budget (they may use up to 1.3x their share)."""
 PROBE_STEPS = 30
@@ -119,9 +113,10 @@ RECIPE = {
                   "the target for 192 tokens, half greedy, half T = 1",
     "draft": "docs/design.md: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position weights "
              "exp(-(k-1)/4), block 7, 8 random anchors per sequence in the generated part, batch "
-             "32 sequences, vanilla sequential head",
-    "ablation": "the same without the sequential head (W2 = 0: a DFlash-style parallel drafter), "
-                "same data, seed, step count and schedule",
+             "32 sequences, vanilla sequential head; trained by dspark-jax train's function "
+             "(dspark_jax.train.drafter.train_drafter) on the continuations as token rows",
+    "ablation": "the same without the sequential head (head 'none': a DFlash-style parallel "
+                "drafter), same data, seed and schedule (the drafter's horizon)",
     "calibration": "STS (dspark_jax.calibration.fit_sts) on fixed-schedule speculative decodes "
                    "(every position verified) of 64-token calibration-file prompts; temperatures "
                    "rounded to bf16 and stored in the draft's confidence head; ECE and AUC per "
@@ -158,92 +153,22 @@ def draft_config(tiny: bool, markov: bool, target: tm.TargetConfig) -> dm.DraftC
                         confidence_with_markov=markov, dtype=target.dtype)
 
 
-# ---- a learning-rate schedule whose horizon is set after measuring the step rate -----------------
+# ---- training within a stage's budget -----------------------------------------------------------
 
 
-class HorizonState(NamedTuple):
-  """The step count and the schedule's horizon (total steps), both int32 arrays."""
-  count: jax.Array
-  total: jax.Array
-
-
-def fitted_learning_rate(count, total, peak: float, warmup: int, end_fraction: float = 0.1):
-  """Linear warm-up from 0 over `warmup` steps, then cosine decay to ``end_fraction * peak`` at
-  step `total` (constant after): optax's ``warmup_cosine_decay_schedule`` with a traced horizon."""
-  count = jnp.asarray(count, jnp.float32)
-  total = jnp.asarray(total, jnp.float32)
-  progress = jnp.clip((count - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
-  end = end_fraction * peak
-  cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-  return jnp.where(count < warmup, peak * count / warmup, cosine)
-
-
-def scale_by_fitted_schedule(peak: float, warmup: int, total: int) -> optax.GradientTransformation:
-  """Scales updates by ``-fitted_learning_rate(step, horizon)``; the horizon is a state leaf."""
-  def init(params):
-    del params
-    return HorizonState(jnp.zeros([], jnp.int32), jnp.asarray(total, jnp.int32))
-
-  def update(updates, state, params=None):
-    del params
-    rate = fitted_learning_rate(state.count, state.total, peak, warmup)
-    updates = jax.tree.map(lambda u: (-rate * u).astype(u.dtype), updates)
-    return updates, HorizonState(optax.safe_int32_increment(state.count), state.total)
-  return optax.GradientTransformation(init, update)
-
-
-def fitted_optimizer(peak: float, warmup: int, total: int, *, weight_decay: float = 0.01,
-                     clip_norm: float = 1.0) -> optax.GradientTransformation:
-  """`trainer.make_optimizer`'s AdamW (b2 0.95, decoupled weight decay, global-norm clipping) with a
-  fixed-length warm-up and a horizon that `set_horizon` can change."""
-  return optax.chain(optax.clip_by_global_norm(clip_norm), optax.scale_by_adam(b1=0.9, b2=0.95),
-                     optax.add_decayed_weights(weight_decay),
-                     scale_by_fitted_schedule(peak, warmup, total))
-
-
-def set_horizon(opt_state, total: int):
-  """`opt_state` with the schedule's horizon set to `total` steps."""
-  return jax.tree.map(
-      lambda s: s._replace(total=jnp.asarray(total, jnp.int32)) if isinstance(s, HorizonState)
-      else s, opt_state, is_leaf=lambda s: isinstance(s, HorizonState))
-
-
-def train_within(trainer: training.Trainer, batches, steps: int, seconds: float | None, *,
-                 fit: bool = True, reserve: float = 0.0) -> dict:
-  """Trains to `steps` total steps, within `seconds` of wall time when given.
-
-  With a budget: one step (the compile), `PROBE_STEPS` more to measure the rate, then (``fit``) the
-  step count and the schedule's horizon become what the rest of the budget, less `reserve` seconds
-  for the stage's work after training, allows (at most `steps`); the trainer's own time limit stops
-  it there in any case.
-  """
+def train_fitted(trainer: training.Trainer, batches, steps: int, seconds: float | None, *,
+                 reserve: float = 0.0) -> dict:
+  """`trainer` trained to `steps`, its step count and schedule fitted to `seconds` less `reserve`
+  (the stage's work after training) when a budget is given (`Trainer`'s ``fit_horizon``)."""
   start = time.perf_counter()
-  if seconds is not None:
-    seconds = max(seconds - reserve, 0.0)
-  info = {"requested_steps": steps, "budget_s": seconds, "start_step": trainer.step}
-  if seconds is not None and trainer.step < steps:
-    saved_to, trainer.checkpoint_path = trainer.checkpoint_path, None  # no saves while timing
-    trainer.max_seconds = None
-    trainer.train(batches, trainer.step + 1)
-    jax.block_until_ready(trainer.params)
-    info["first_step_s"] = time.perf_counter() - start
-    before, probe_start = trainer.step, time.perf_counter()
-    trainer.train(batches, min(steps, trainer.step + PROBE_STEPS))
-    jax.block_until_ready(trainer.params)
-    now = time.perf_counter()
-    if trainer.step > before:
-      rate = (trainer.step - before) / max(now - probe_start, 1e-9)
-      info["steps_per_second"] = rate
-      if fit:
-        steps = min(steps, trainer.step + max(0, int(0.95 * rate * (seconds - (now - start)))))
-        trainer.opt_state = set_horizon(trainer.opt_state, steps)
-    trainer.max_seconds = max(seconds - (now - start), 0.0)
-    trainer.checkpoint_path = saved_to
+  trainer.max_seconds = None if seconds is None else max(seconds - reserve, 0.0)
+  trainer.fit_horizon, trainer.probe_steps = True, PROBE_STEPS
   trainer.train(batches, steps)
   jax.block_until_ready(trainer.params)
-  info.update(horizon=steps, steps=trainer.step, cut=trainer.step < steps,
+  horizon = training.horizon(trainer.opt_state)
+  return dict(trainer.fitted or {}, requested_steps=steps, budget_s=trainer.max_seconds,
+              horizon=horizon, steps=trainer.step, cut=trainer.step < horizon,
               seconds=time.perf_counter() - start)
-  return info
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -410,9 +335,9 @@ def stage_target(args, budget):
   warmup = 3 if args.tiny else 100
   trainer = training.Trainer(
       model, lambda m, _, b: training.lm_loss(m, b),
-      fitted_optimizer(args.target_lr, warmup, steps),
+      training.make_optimizer(args.target_lr, steps, warmup_steps=warmup),
       checkpoint_path=path(args, "target_train.safetensors"), checkpoint_every=args.checkpoint_every)
-  run = train_within(trainer, training.lm_batches(stream, batch, length, seed=0), steps, budget,
+  run = train_fitted(trainer, training.lm_batches(stream, batch, length, seed=0), steps, budget,
                      reserve=15.0)
   streams = {"heldout": np.load(path(args, "heldout_tokens.npy")),
              "heldout_stdlib": np.load(path(args, "heldout_stdlib_tokens.npy"))}
@@ -464,37 +389,55 @@ def stage_draft_data(args, budget):
   return f"{len(done)} sequences of {PROMPT_TOKENS} + {CONTINUATION_TOKENS} tokens"
 
 
+def draft_rows(args) -> str:
+  """The draft-data sequences as token rows for `train_drafter` (``draft_rows.npz``: the tokens
+  and a loss mask on the continuation, so that every block starts in the generated part)."""
+  sequences = np.load(path(args, "draft_sequences.npy")).astype(np.int32)
+  mask = np.zeros(sequences.shape, bool)
+  mask[:, PROMPT_TOKENS:] = True
+  rows = path(args, "draft_rows.npz")
+  np.savez(rows, tokens=sequences, loss_mask=mask)
+  return rows
+
+
 def stage_draft(args, budget, markov: bool):
+  """The drafter (``markov``) or its ablation through ``dspark-jax train``'s function, from the
+  target written as a Hugging Face directory (``hf_target/``) and the draft-data rows; the
+  trained weights also go to ``draft.safetensors`` / ``ablation.safetensors`` for the later
+  stages."""
   name = "draft" if markov else "ablation"
   target = checkpoints.load_target(path(args, "target.safetensors"))
-  sequences = np.load(path(args, "draft_sequences.npy"))
-  draft = dm.DSparkDraft(draft_config(args.tiny, markov, target.config), target.config,
-                         rngs=nnx.Rngs(1))
-  if not markov:  # the ablation's head contributes nothing: bias = W1[x] @ 0
-    draft.head.w2[...] = jnp.zeros_like(draft.head.w2[...])
-    # The drafter's step count and schedule, so that the two differ only in the head.
-    drafter = read_json(args, "draft_log.json")
-    steps, horizon, fit = drafter["steps"], drafter["run"]["horizon"], False
-  else:
-    steps = horizon = args.draft_steps or (30 if args.tiny else 100_000)
-    fit = True
-  warmup = 3 if args.tiny else 100
-  trainer = training.Trainer(
-      draft, lambda m, t, b: training.dspark_loss(m, t, *b, use_markov=markov),
-      fitted_optimizer(args.draft_lr, warmup, horizon), frozen=target,
-      checkpoint_path=path(args, f"{name}_train.safetensors"),
-      checkpoint_every=args.checkpoint_every)
-  batches = training.draft_batches(sequences, 8 if args.tiny else 32, 8, gamma(args.tiny),
-                                   first_anchor=PROMPT_TOKENS - 1, seed=2)
-  run = train_within(trainer, batches, steps, budget, fit=fit, reserve=3.0)
-  run["horizon"] = run["horizon"] if fit else horizon
-  checkpoints.save_model(path(args, f"{name}.safetensors"), draft,
-                         metadata={"steps": trainer.step, "markov": markov,
-                                   "history": trainer.history[-5:]})
-  log_json(args, f"{name}_log.json", {"steps": trainer.step, "run": run, "lr": args.draft_lr,
-                                      "warmup": warmup, "history": trainer.history})
-  last = trainer.history[-1] if trainer.history else {}
-  return (f"{trainer.step} steps" + (" (CUT by the budget)" if run["cut"] else "")
+  hf_dir = path(args, "hf_target")
+  write_hf_target(target, hf_dir, path(args, "tokenizer.json"))
+  if markov:
+    steps, fit = args.draft_steps or (30 if args.tiny else 100_000), budget is not None
+    head = dict(head_kind="vanilla", rank=16 if args.tiny else 128, confidence_with_markov=True)
+  else:  # the drafter's horizon and schedule, so that the two differ only in the head
+    steps, fit = read_json(args, "draft_log.json")["run"]["horizon"], False
+    head = dict(head_kind="none", rank=0, confidence_with_markov=False)
+  options = drafter.TrainOptions(
+      steps=steps, batch_size=8 if args.tiny else 32, anchors=8, learning_rate=args.draft_lr,
+      warmup_steps=3 if args.tiny else 100, final_lr_fraction=0.1, weight_decay=0.01,
+      adam_b2=0.95, accumulate=1, seed=2, heldout=0, eval_every=0, log_every=50,
+      checkpoint_every=min(args.checkpoint_every, steps),
+      max_seconds=None if budget is None else max(budget - 3.0, 0.0), fit_to_budget=fit)
+  result = drafter.train_drafter(
+      hf_dir, draft_rows(args), path(args, name), options=options, progress=False,
+      dtype=target.config.dtype,
+      draft_config=dict(num_layers=1, gamma=gamma(args.tiny), confidence=True,
+                        target_layer_ids=target.config.feature_layers,
+                        mask_token_id=byte_bpe.MASK_ID, **head))
+  with open(os.path.join(path(args, name), drafter.TRAINING_DIR, "history.json")) as f:
+    fitted = json.load(f).get("fitted") or {}
+  run = dict(fitted, horizon=result.horizon, steps=result.step, cut=result.step < result.horizon)
+  checkpoints.save_model(path(args, f"{name}.safetensors"), result.draft,
+                         metadata={"steps": result.step, "markov": markov,
+                                   "history": result.history[-5:]})
+  log_json(args, f"{name}_log.json", {"steps": result.step, "run": run, "lr": args.draft_lr,
+                                      "warmup": options.warmup_steps, "history": result.history,
+                                      "options": dataclasses.asdict(options)})
+  last = result.history[-1] if result.history else {}
+  return (f"{result.step} steps" + (" (CUT by the budget)" if run["cut"] else "")
           + f", loss {last.get('loss', float('nan')):.3f}, TV {last.get('tv', float('nan')):.3f}")
 
 
@@ -657,79 +600,6 @@ def write_hf_target(target, directory: str, tokenizer_json: str) -> list[str]:
   return written
 
 
-def heldout_token_prompts(args) -> list[np.ndarray]:
-  """Every held-out prompt (``heldout_prompts.json``; 2 with ``--tiny``) as token ids, its last 512
-  tokens."""
-  tokenizer = byte_bpe.load_tokenizer(path(args, "tokenizer.json"))
-  with open(path(args, "heldout_prompts.json")) as f:
-    texts = json.load(f)[:2 if args.tiny else MAX_PROMPTS]
-  return [np.asarray(tokenizer.encode(t, add_special_tokens=False).ids[-512:], np.int32)
-          for t in texts]
-
-
-def stage_draft_command(args, budget):
-  """The drafter stage through ``dspark-jax train``'s function (`train_drafter`): the same rows
-  (the draft-data sequences as token rows, the loss on the continuation), step count, batch,
-  anchors, learning rate and optimizer settings as stage ``draft``, from the target exported as a
-  Hugging Face directory; then both drafters' greedy τ on the held-out prompts, each with the
-  weights it ships (stage draft's rounded to the command's storage dtype). Not part of
-  ``--stage all``: a check of the command against this script's own loop."""
-  start = time.perf_counter()
-  target = checkpoints.load_target(path(args, "target.safetensors"))
-  hf_dir = path(args, "hf_target")
-  write_hf_target(target, hf_dir, path(args, "tokenizer.json"))
-  sequences = np.load(path(args, "draft_sequences.npy")).astype(np.int32)
-  mask = np.zeros(sequences.shape, bool)
-  mask[:, PROMPT_TOKENS:] = True                     # as stage draft: anchors in the continuation
-  rows = path(args, "draft_rows.npz")
-  np.savez(rows, tokens=sequences, loss_mask=mask)
-  steps = args.draft_steps or read_json(args, "draft_log.json")["steps"]
-  warmup = 3 if args.tiny else 100
-  options = drafter.TrainOptions(
-      steps=steps, batch_size=8 if args.tiny else 32, anchors=8, learning_rate=args.draft_lr,
-      warmup_fraction=min(warmup / steps, 0.5), final_lr_fraction=0.1, weight_decay=0.01,
-      adam_b2=0.95, accumulate=1, seed=2, heldout=0, eval_every=0,
-      checkpoint_every=min(args.checkpoint_every, steps), max_seconds=budget)
-  choices = dict(num_layers=1, gamma=gamma(args.tiny), rank=16 if args.tiny else 128,
-                 head_kind="vanilla", confidence=True, confidence_with_markov=True,
-                 target_layer_ids=target.config.feature_layers, mask_token_id=byte_bpe.MASK_ID)
-  result = drafter.train_drafter(hf_dir, rows, path(args, "draft_command"), options=options,
-                                 draft_config=choices, dtype=target.config.dtype, progress=False)
-  prompts = heldout_token_prompts(args)
-  new_tokens = 16 if args.tiny else 128
-  # Both drafters as they ship: the command stores the draft's dtype (bf16 on an accelerator),
-  # stage draft keeps float32 weights that stage export rounds to bf16.
-  ours = round_to(checkpoints.load_draft(path(args, "draft.safetensors"), result.target.config),
-                  result.draft.config.param_dtype)
-  runs = {name: drafter.heldout_tau(result.target, model, prompts, max_new_tokens=new_tokens)
-          for name, model in (("command", result.draft), ("draft", ours))}
-  tau = {name: run["tau"] for name, run in runs.items()}
-  ratio, error = paired_ratio(runs["command"]["rows"], runs["draft"]["rows"])
-  last = result.history[-1] if result.history else {}
-  log_json(args, "draft_command_log.json", {
-      "steps": result.step, "requested_steps": steps, "tau": tau, "prompts": len(prompts),
-      "rows": {name: run["rows"] for name, run in runs.items()}, "ratio": ratio,
-      "ratio_se": error, "new_tokens": new_tokens, "seconds": time.perf_counter() - start,
-      "loss": last.get("loss"), "options": dataclasses.asdict(options)})
-  return (f"{result.step} steps, loss {last.get('loss', float('nan')):.3f}; held-out τ over "
-          f"{len(prompts)} prompts: command {tau['command']:.3f}, stage draft {tau['draft']:.3f} "
-          f"({tau['command'] / tau['draft']:.3f}x; per prompt {ratio:.3f}x ± {2 * error:.3f}, "
-          f"2 standard errors)")
-
-
-def paired_ratio(ours, theirs) -> tuple[float, float]:
-  """Mean of `ours` over mean of `theirs` (per-prompt τ, paired; NaN rows dropped from both) and
-  its standard error by the delta method: ``sd(ours_i - r·theirs_i) / (sqrt(n) · mean(theirs))``."""
-  ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-  keep = ~(np.isnan(ours) | np.isnan(theirs))
-  ours, theirs = ours[keep], theirs[keep]
-  if ours.size < 2:
-    return float("nan"), float("nan")
-  ratio = ours.mean() / theirs.mean()
-  error = np.std(ours - ratio * theirs, ddof=1) / (np.sqrt(ours.size) * theirs.mean())
-  return float(ratio), float(error)
-
-
 def stage_export_hf(args, budget):
   del budget
   if not args.hf_dir:
@@ -757,8 +627,7 @@ def stage_export_hf(args, budget):
 RUNNERS = {"data": stage_data, "target": stage_target, "draft-data": stage_draft_data,
            "draft": lambda a, b: stage_draft(a, b, True),
            "ablation": lambda a, b: stage_draft(a, b, False),
-           "calibrate": stage_calibrate, "export": stage_export, "export-hf": stage_export_hf,
-           "draft-command": stage_draft_command}
+           "calibrate": stage_calibrate, "export": stage_export, "export-hf": stage_export_hf}
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -797,7 +666,7 @@ def summary(rows, total_seconds, total_budget) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--stage", required=True, choices=("all",) + STAGES + CHECKS)
+  parser.add_argument("--stage", required=True, choices=("all",) + STAGES)
   parser.add_argument("--work", default=os.path.join("runs", "pycorpus"))
   parser.add_argument("--export", default=os.path.join("dspark_jax", "assets"))
   parser.add_argument("--hf-dir", default=None,

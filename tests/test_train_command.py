@@ -11,6 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -211,6 +212,115 @@ def test_resumed_training_equals_uninterrupted_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_schedule_is_optax_warmup_cosine_and_the_optimizer_optax_adamw():
+  peak = 1e-3
+  steps = jnp.arange(0, 220)
+  for total, warmup in ((50, 10), (200, 8)):   # float32 cosines
+    reference = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end_value=0.1 * peak)
+    ours = training.make_schedule(peak, total, warmup_steps=warmup)
+    np.testing.assert_allclose(np.asarray(ours(steps)), np.asarray(reference(steps)),
+                               rtol=1e-5, atol=1e-9)
+  # make_optimizer is optax's AdamW on that schedule after clipping (the horizon in the state).
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)}
+  ours = training.make_optimizer(peak, 30, weight_decay=0.01, b2=0.95)
+  reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+      training.make_schedule(peak, 30), b1=0.9, b2=0.95, weight_decay=0.01))
+  states = [ours.init(params), reference.init(params)]
+  for step in range(12):
+    grads = {"w": jnp.asarray(rng.standard_normal((3, 4)) * (step + 1), jnp.float32)}
+    (a, states[0]), (b, states[1]) = (ours.update(grads, states[0], params),
+                                      reference.update(grads, states[1], params))
+    np.testing.assert_allclose(np.asarray(a["w"]), np.asarray(b["w"]), rtol=1e-5, atol=1e-12)
+
+
+def test_set_horizon_moves_the_cosine_and_a_fractional_warmup():
+  params = {"w": jnp.ones((3,), jnp.float32)}
+  grads = {"w": jnp.ones((3,), jnp.float32)}
+  peak = 1e-3
+  for warmup_steps, moved_warmup in ((10, 10), (None, 8)):       # a share: 4 % of 200 steps
+    optimizer = training.make_optimizer(peak, 1000, warmup_steps=warmup_steps, weight_decay=0.0)
+    state = optimizer.init(params)
+    update = jax.jit(optimizer.update)
+    for _ in range(15):
+      _, state = update(grads, state, params)
+    assert training.horizon(state) == 1000
+    moved = training.set_horizon(state, 200)
+    (schedule,) = [s for s in jax.tree.leaves(moved, is_leaf=lambda s: isinstance(
+        s, training.ScheduleState)) if isinstance(s, training.ScheduleState)]
+    assert (int(schedule.count), int(schedule.total), int(schedule.warmup)) == (15, 200,
+                                                                                moved_warmup)
+    assert training.horizon(moved) == 200
+    # The update is Adam's direction (±1 at bias-corrected equal gradients) times the rate.
+    updates, _ = update(grads, moved, params)
+    expected = float(training.make_schedule(peak, 200, warmup_steps=moved_warmup)(15))
+    assert training.learning_rate_at(moved, 15) == pytest.approx(expected, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(updates["w"]), -expected, rtol=1e-4)
+    long_updates, _ = update(grads, state, params)                         # the old horizon
+    first_warmup = 10 if warmup_steps else 40
+    np.testing.assert_allclose(np.asarray(long_updates["w"]), -float(
+        training.make_schedule(peak, 1000, warmup_steps=first_warmup)(15)), rtol=1e-4)
+  assert training.horizon({"no": "schedule"}) is None
+  assert training.learning_rate_at({"no": "schedule"}, 3) is None
+
+
+class _Clock:
+  """A stand-in for time.perf_counter: every reading is `tick` seconds after the last."""
+
+  def __init__(self, tick: float):
+    self.now, self.tick = 0.0, tick
+
+  def __call__(self) -> float:
+    self.now += self.tick
+    return self.now
+
+
+_FITTED = training.make_optimizer(1e-2, 40, warmup_steps=2)
+
+
+def test_a_fitted_horizon_is_what_the_budget_allows_and_resumes_to_it(tmp_path, monkeypatch):
+  # A clock that advances 0.1 s a reading (not the host's): the verdict does not depend on it.
+  monkeypatch.setattr(training.time, "perf_counter", _Clock(0.1))
+  sequences = np.random.default_rng(0).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=3)
+  path = str(tmp_path / "state.safetensors")
+
+  def trainer(**kwargs):
+    target = tm.TargetModel(SMALL, rngs=nnx.Rngs(0))
+    config = dm.DraftConfig(gamma=2, num_layers=1, target_layer_ids=(0,), mask_token_id=63,
+                            rank=4)
+    return training.Trainer(dm.DSparkDraft(config, SMALL, rngs=nnx.Rngs(1)), _draft_loss,
+                            _FITTED, frozen=target, checkpoint_path=path, fit_horizon=True,
+                            probe_steps=3, **kwargs)
+
+  run = trainer(max_seconds=3.0)
+  run.train(batches, 40, log_every=1, progress=False)
+  fitted = run.fitted
+  assert fitted["requested_steps"] == 40 and 4 < fitted["horizon"] < 40
+  assert fitted["horizon"] == training.horizon(run.opt_state)
+  assert run.history[-1]["lr"] == pytest.approx(
+      float(training.make_schedule(1e-2, fitted["horizon"], warmup_steps=2)(run.step - 1)))
+  assert fitted["steps_per_second"] > 0 and run.step <= fitted["horizon"]
+  # A rerun resumes to the saved horizon (no second fit), where the rate has reached its end.
+  resumed = trainer(max_seconds=1e6)
+  resumed.train(batches, 40, log_every=1, progress=False)
+  assert resumed.fitted is None and resumed.step == fitted["horizon"]
+  assert resumed.history[-1]["lr"] == pytest.approx(
+      float(training.make_schedule(1e-2, fitted["horizon"], warmup_steps=2)(resumed.step - 1)))
+  assert training.learning_rate_at(resumed.opt_state, resumed.step) == pytest.approx(1e-3)
+
+
+def test_without_a_budget_or_when_asked_for_few_steps_nothing_is_fitted():
+  sequences = np.random.default_rng(0).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=3)
+  unbudgeted = _small_trainer(fit_horizon=True)
+  unbudgeted.train(batches, 3, progress=False)
+  assert unbudgeted.fitted is None and unbudgeted.step == 3
+  assert training.horizon(unbudgeted.opt_state) == 4         # _OPTIMIZER's
+  with pytest.raises(ValueError, match="^probe_steps:"):
+    _small_trainer(probe_steps=0)
+
+
 def test_master_parameters_and_optimizer_state_are_float32_over_bfloat16_weights():
   trainer = _small_trainer(dtype=jnp.bfloat16)
   assert trainer.model.fc.kernel[...].dtype == jnp.bfloat16
@@ -401,9 +511,9 @@ def test_the_defaults_are_deepspecs_recipe():
   assert options.final_lr_fraction * options.learning_rate == recipe["schedule"]["eta_min"]
   optimizer = inspect.signature(training.make_optimizer).parameters
   assert optimizer["clip_norm"].default == train["max_grad_norm"]
-  adamw = inspect.signature(optax.adamw).parameters
+  adam = inspect.signature(optax.scale_by_adam).parameters
   assert [0.9, options.adam_b2] == recipe["adamw"]["betas"]       # make_optimizer's b1 is 0.9
-  assert adamw["eps"].default == recipe["adamw"]["eps"]
+  assert adam["eps"].default == recipe["adamw"]["eps"]
   assert training.LOSS_WEIGHTS["ce"] == model["ce_loss_alpha"]
   assert training.LOSS_WEIGHTS["tv"] == model["l1_loss_alpha"]
   assert training.LOSS_WEIGHTS["bce"] == model["confidence_head_alpha"]
@@ -427,7 +537,8 @@ def test_the_defaults_are_deepspecs_recipe():
     (dict(epochs=0), "epochs"), (dict(steps=0), "steps"), (dict(accumulate=0), "accumulate"),
     (dict(weight_decay=-1.0), "weight_decay"), (dict(adam_b2=1.0), "adam_b2"),
     (dict(final_lr_fraction=1.5), "final_lr_fraction"), (dict(learning_rate=0.0), "learning_rate"),
-    (dict(batch_size=6, dp=4), "batch_size")])
+    (dict(batch_size=6, dp=4), "batch_size"), (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(fit_to_budget=True), "fit_to_budget")])
 def test_bad_training_options_are_named(changes, name):
   from dspark_jax.train import drafter
   with pytest.raises(ValueError, match=f"^{name}:"):

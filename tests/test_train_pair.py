@@ -10,7 +10,6 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -142,60 +141,12 @@ def test_feature_layers_spread_like_qwen3_and_skip_the_final_layer():
   assert train_pair.draft_config(False, True, full).target_layer_ids == full.feature_layers
 
 
-def test_fitted_schedule_is_optax_warmup_cosine_with_a_movable_horizon():
-  peak, warmup = 1e-3, 10
-  steps = jnp.arange(0, 220)
-
-  @jax.jit
-  def both(steps):
-    out = []
-    for total in (50, 200):
-      reference = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total,
-                                                     end_value=0.1 * peak)
-      out.append((train_pair.fitted_learning_rate(steps, total, peak, warmup), reference(steps)))
-    return out
-  for ours, reference in both(steps):  # float32 cosines
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-5, atol=1e-9)
-
-  params = {"w": jnp.ones((3,), jnp.float32)}
-  grads = {"w": jnp.ones((3,), jnp.float32)}
-  optimizer = train_pair.fitted_optimizer(peak, warmup, 1000, weight_decay=0.0)
-  state = optimizer.init(params)
-  update = jax.jit(optimizer.update)
-  for _ in range(15):
-    _, state = update(grads, state, params)
-  moved = train_pair.set_horizon(state, 20)
-  counts = [s for s in jax.tree.leaves(moved, is_leaf=lambda s: isinstance(
-      s, train_pair.HorizonState)) if isinstance(s, train_pair.HorizonState)]
-  assert len(counts) == 1 and int(counts[0].total) == 20 and int(counts[0].count) == 15
-  # The update is Adam's direction (±1 at bias-corrected equal gradients) times the rate.
-  updates, _ = update(grads, moved, params)
-  expected = float(train_pair.fitted_learning_rate(15, 20, peak, warmup))
-  np.testing.assert_allclose(np.asarray(updates["w"]), -expected, rtol=1e-4)
-  long_updates, _ = update(grads, state, params)
-  assert float(long_updates["w"][0]) < float(updates["w"][0])            # the longer horizon
-
-
 def test_repetition_flags_loops():
   loop = [5, 6, 7] * 40
   assert train_pair.repetition(loop)["loop"] and train_pair.repetition(loop)["repeated_4grams"] > 0.9
   fresh = list(range(120))
   assert train_pair.repetition(fresh) == {"repeated_4grams": 0.0, "loop": False}
   assert not train_pair.repetition([1, 2, 3])["loop"]
-
-
-def test_paired_ratio_is_the_ratio_of_means_with_its_delta_method_error():
-  # Proportional per-prompt τ: the ratio exactly, no spread. Paired noise: the error is the
-  # spread of ours_i - r·theirs_i over sqrt(n) and the mean; NaN rows drop from both sides.
-  theirs = np.array([2.0, 3.0, 4.0, np.nan])
-  ratio, error = train_pair.paired_ratio(1.5 * theirs, theirs)
-  assert ratio == pytest.approx(1.5) and error == pytest.approx(0.0, abs=1e-12)
-  ours = np.array([2.2, 2.8, 4.4, 1.0])
-  ratio, error = train_pair.paired_ratio(ours, theirs)
-  assert ratio == pytest.approx(9.4 / 9.0)
-  residual = ours[:3] - ratio * theirs[:3]
-  assert error == pytest.approx(np.std(residual, ddof=1) / (np.sqrt(3) * 3.0))
-  assert np.isnan(train_pair.paired_ratio([2.0], [2.0])[0])
 
 
 def test_draft_checkpoint_keeps_calibrated_temperatures(tmp_path):
@@ -289,19 +240,16 @@ def test_tiny_all_stages_export_pairs_that_load(tmp_path, capsys):
   assert target.config.feature_layers == pair.draft.config.target_layer_ids
   assert load_tokenizer(os.path.join(hf, "target")).eos_token_ids == (byte_bpe.END_OF_TEXT_ID,)
   _, ablation = dj.load_pretrained(os.path.join(hf, "target"), os.path.join(hf, "ablation"))
-  assert float(jnp.abs(ablation.head.w2[...].astype(jnp.float32)).max()) == 0.0
+  assert ablation.head.kind == "none" and ablation.config.rank == 0
   assert {"corpus.json", "calibration_log.json", "target_log.json"} <= set(os.listdir(logs))
-
-  # The drafter stage again through `dspark-jax train`'s function, on the same rows and settings.
-  train_pair.main(["--tiny", "--stage", "draft-command", "--work", work, "--draft-steps", "3"])
-  out = capsys.readouterr().out
-  assert "== stage draft-command done" in out and "FAILED" not in out
-  log = json.load(open(os.path.join(work, "draft_command_log.json")))
-  assert log["steps"] == log["requested_steps"] == 3
-  assert log["tau"]["command"] >= 1 and log["tau"]["draft"] >= 1 and log["prompts"] >= 1
-  assert len(log["rows"]["command"]) == len(log["rows"]["draft"]) == log["prompts"]
-  assert np.isfinite(log["loss"])
-  _, retrained = dj.load_pretrained(os.path.join(work, "hf_target"),
-                                    os.path.join(work, "draft_command"))
-  assert retrained.config.rank == pair.draft.config.rank
-  assert retrained.config.target_layer_ids == pair.draft.config.target_layer_ids
+  # The drafters were trained by `dspark-jax train`'s function, which wrote them loadable as
+  # they are, with their resumable state; the ablation ran on the drafter's horizon.
+  draft_log = json.load(open(os.path.join(work, "draft_log.json")))
+  ablation_log = json.load(open(os.path.join(work, "ablation_log.json")))
+  assert draft_log["run"]["horizon"] == ablation_log["run"]["horizon"] == 30
+  _, command_draft = dj.load_pretrained(os.path.join(work, "hf_target"),
+                                        os.path.join(work, "draft"))
+  assert command_draft.config.gamma == gamma and command_draft.head.kind == "vanilla"
+  assert os.path.exists(os.path.join(work, "draft", "training", "train_state.safetensors"))
+  assert command_draft.config.rank == pair.draft.config.rank
+  assert command_draft.config.target_layer_ids == pair.draft.config.target_layer_ids

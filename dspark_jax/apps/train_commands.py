@@ -3,10 +3,10 @@
 
 * ``dspark-jax train --target DIR --data FILE.jsonl --out DIR [--layers N --gamma G --rank R
   --head vanilla|gated|rnn|none --no-confidence --target-layers 1,9,17 --mask-token-id ID
-  --steps N --epochs E --batch-size B --seq-len L --anchors A --lr LR --final-lr F
-  --weight-decay W --accumulate K --dp N --tp N --seed S
+  --steps N --epochs E --batch-size B --seq-len L --anchors A --lr LR --warmup F --warmup-steps N
+  --final-lr F --weight-decay W --accumulate K --dp N --tp N --seed S
   --thinking on|off --heldout N --eval-every N --eval-tokens N --checkpoint-every N
-  --format deepspec|speculators --dtype D --max-seconds S]``: `dspark_jax.train.drafter.train_drafter`;
+  --format deepspec|speculators --dtype D --max-seconds S --fit-budget]``: `dspark_jax.train.drafter.train_drafter`;
   prints a one-line summary. Rerunning with the same ``--out`` resumes.
 * ``dspark-jax regenerate --target DIR [--draft DIR] --prompts FILE.jsonl --out FILE.jsonl
   [--max-new-tokens N --temperature T --concurrency S --thinking on|off --seed S]``: the target's
@@ -72,6 +72,10 @@ def add_parsers(sub) -> None:
   run.add_argument("--anchors", type=flags.positive, default=512,
                    help="blocks per sequence (default 512)")
   run.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+  run.add_argument("--warmup", type=float, default=0.04,
+                   help="the warm-up's share of the steps (default 0.04)")
+  run.add_argument("--warmup-steps", type=flags.nonnegative, default=None,
+                   help="the warm-up in steps (instead of --warmup)")
   run.add_argument("--final-lr", type=float, default=0.0,
                    help="the last step's rate as a fraction of the peak (default 0)")
   run.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (default 0)")
@@ -93,6 +97,9 @@ def add_parsers(sub) -> None:
   run.add_argument("--format", choices=("deepspec", "speculators"), default="deepspec")
   run.add_argument("--max-seconds", type=flags.finite_nonnegative, default=None,
                    help="stop (saving the state) after this much wall time; rerun to resume")
+  run.add_argument("--fit-budget", action="store_true",
+                   help="with --max-seconds: fit the step count and the learning-rate schedule "
+                        "to the budget (measured after the first steps) instead of cutting it")
 
   regen = sub.add_parser("regenerate", help="the target's own answers to a prompt file")
   regen.add_argument("--target", required=True, help="Hugging Face Qwen3 directory (+ tokenizer)")
@@ -129,15 +136,18 @@ def train(args) -> int:
   try:
     options = drafter.TrainOptions(
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, seq_len=args.seq_len,
-        anchors=args.anchors, learning_rate=args.lr, final_lr_fraction=args.final_lr,
+        anchors=args.anchors, learning_rate=args.lr, warmup_fraction=args.warmup,
+        warmup_steps=args.warmup_steps, final_lr_fraction=args.final_lr,
         weight_decay=args.weight_decay, accumulate=args.accumulate, dp=args.dp, tp=args.tp,
         seed=args.seed,
         thinking=args.thinking, heldout=args.heldout, eval_every=args.eval_every,
         eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every, format=args.format, max_seconds=args.max_seconds)
+        log_every=args.log_every, format=args.format, max_seconds=args.max_seconds,
+        fit_to_budget=args.fit_budget)
   except ValueError as error:
     name = str(error).split(":")[0].replace("_", "-")
-    flag = {"learning-rate": "lr", "final-lr-fraction": "final-lr"}.get(name, name)
+    flag = {"learning-rate": "lr", "final-lr-fraction": "final-lr", "warmup-fraction": "warmup",
+            "fit-to-budget": "fit-budget"}.get(name, name)
     flags.fail("train", f"--{flag}", str(error))
   choices = dict(num_layers=args.layers, gamma=args.gamma, rank=args.rank, head_kind=args.head,
                  confidence=not args.no_confidence, target_layer_ids=args.target_layers,

@@ -120,6 +120,7 @@ class TrainOptions:
     batch_size: sequences per step (a multiple of `accumulate` * `dp`). seq_len: tokens per packed
       row of conversations (token rows keep their own length). anchors: blocks per sequence.
     learning_rate, warmup_fraction: the peak rate and the warm-up's share of the steps.
+    warmup_steps: the warm-up in steps instead of a share (None: `warmup_fraction`).
     final_lr_fraction: the rate at the last step, as a fraction of the peak.
     weight_decay, adam_b2: AdamW's decoupled weight decay and second-moment decay.
     accumulate: micro-batches per step; None: ``batch_size // dp`` (one sequence per device per
@@ -137,6 +138,10 @@ class TrainOptions:
       metrics.
     format: "deepspec" or "speculators".
     max_seconds: a wall-clock budget (the state is saved when it runs out; rerun to resume).
+    fit_to_budget: with `max_seconds`: measure the step rate after the first steps and fit the
+      step count and the cosine schedule's horizon (the warm-up too, when a share) to what the
+      budget allows, rather than cutting the schedule short (`trainer.Trainer`'s
+      ``fit_horizon``); a rerun resumes to the fitted horizon.
   """
 
   steps: int | None = None
@@ -146,6 +151,7 @@ class TrainOptions:
   anchors: int = 512
   learning_rate: float = 6e-4
   warmup_fraction: float = 0.04
+  warmup_steps: int | None = None
   final_lr_fraction: float = 0.0
   weight_decay: float = 0.0
   adam_b2: float = 0.999
@@ -161,6 +167,7 @@ class TrainOptions:
   log_every: int = 10
   format: str = "deepspec"
   max_seconds: float | None = None
+  fit_to_budget: bool = False
 
   def __post_init__(self):
     for name in ("epochs", "batch_size", "seq_len", "anchors", "dp", "tp", "eval_tokens",
@@ -168,8 +175,11 @@ class TrainOptions:
                      ("steps",) if self.steps is not None else ()) + (
                      ("accumulate",) if self.accumulate is not None else ()):
       validation.check_positive_int(name, getattr(self, name))
-    for name in ("heldout", "eval_every", "seed"):
+    for name in ("heldout", "eval_every", "seed") + (
+        ("warmup_steps",) if self.warmup_steps is not None else ()):
       validation.check_nonnegative_int(name, getattr(self, name))
+    if self.fit_to_budget and self.max_seconds is None:
+      raise ValueError("fit_to_budget: needs max_seconds (the budget the steps are fitted to)")
     for name, low, high, closed in (("learning_rate", 0, np.inf, False),
                                     ("warmup_fraction", 0, 1, True),
                                     ("final_lr_fraction", 0, 1, True),
@@ -209,13 +219,15 @@ class TrainOptions:
 @dataclasses.dataclass
 class TrainResult:
   """What `train_drafter` did: the trained `draft` and its `target`, the files of `out_dir`, the
-  step reached, the loss `history` and held-out `evaluations` (τ per measurement)."""
+  step reached, the schedule's `horizon` (the steps asked for, or those fitted to the budget), the
+  loss `history`, held-out `evaluations` (τ per measurement) and the loss figure's path."""
 
   draft: dm.DSparkDraft
   target: tm.TargetModel
   out_dir: str
   files: list[str]
   step: int
+  horizon: int
   history: list[dict]
   evaluations: list[dict]
   figure: str | None
@@ -352,15 +364,16 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
       return {"tau": heldout_tau(*pair, prompts, max_new_tokens=options.eval_tokens,
                                  stop_token_ids=stops)["tau"]}
 
-  rates = dict(warmup_fraction=options.warmup_fraction, end_fraction=options.final_lr_fraction)
-  schedule = training.make_schedule(options.learning_rate, steps, **rates)
   trainer = training.Trainer(
       draft, lambda m, t, b: training.dspark_loss(m, t, *b),
       training.make_optimizer(options.learning_rate, steps, weight_decay=options.weight_decay,
-                              b2=options.adam_b2, **rates),
+                              b2=options.adam_b2, warmup_fraction=options.warmup_fraction,
+                              warmup_steps=options.warmup_steps,
+                              end_fraction=options.final_lr_fraction),
       frozen=target, checkpoint_path=os.path.join(state_dir, STATE_FILE),
       checkpoint_every=options.checkpoint_every, max_seconds=options.max_seconds,
-      master_dtype=jnp.float32, accumulate=options.micro_batches, mesh=mesh, schedule=schedule,
+      fit_horizon=options.fit_to_budget, master_dtype=jnp.float32,
+      accumulate=options.micro_batches, mesh=mesh,
       tokens_per_step=options.batch_size * packed.tokens.shape[1], evaluate=evaluate,
       evaluate_every=options.eval_every or steps)
   batches = training.masked_draft_batches(packed.tokens, packed.mask, options.batch_size,
@@ -372,12 +385,14 @@ def train_drafter(target_dir: str, data: str, out_dir: str, *,
   draft = trainer.model
   files = pretrained.save_pretrained(draft, out_dir, target=target, format=options.format)
   with open(os.path.join(state_dir, "history.json"), "w") as f:
-    json.dump({"step": trainer.step, "seconds_this_run": seconds, "history": trainer.history,
-               "evaluations": trainer.evaluations}, f, indent=1)
+    json.dump({"step": trainer.step, "horizon": training.horizon(trainer.opt_state),
+               "fitted": trainer.fitted, "seconds_this_run": seconds,
+               "history": trainer.history, "evaluations": trainer.evaluations}, f, indent=1)
   figure = (plot_history(trainer.history, trainer.evaluations, os.path.join(state_dir, "loss.png"))
             if trainer.history else None)
-  return TrainResult(draft, target, out_dir, files, trainer.step, trainer.history,
-                     trainer.evaluations, figure)
+  return TrainResult(draft, target, out_dir, files, trainer.step,
+                     training.horizon(trainer.opt_state), trainer.history, trainer.evaluations,
+                     figure)
 
 
 def describe(result: TrainResult) -> str:

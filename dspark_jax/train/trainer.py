@@ -13,11 +13,12 @@ This module owns how weights are learned:
   1 − ½‖p_draft − p_target‖₁)``. The sequential head is teacher-forced on the true previous tokens;
   ``use_markov=False`` trains the DFlash-style parallel ablation (corrected = base logits).
 * `make_schedule`, `make_optimizer`: AdamW with linear warm-up (4 %) and cosine decay, global-norm
-  clipping at 1.0.
+  clipping at 1.0; the schedule's horizon lives in the optimizer state (`ScheduleState`), so that
+  `set_horizon` can fit it to a time budget once the step rate is measured.
 * `Trainer`: jitted train steps over nnx parameters (optionally float32 master parameters over
   lower-precision weights, gradient accumulation, data parallelism over a mesh axis by jit's SPMD
   partitioning), a progress bar with the loss terms, learning rate and tokens/s, periodic
-  evaluation, periodic resumable checkpoints (`save_train_state` / `load_train_state`:
+  evaluation, a step count fitted to a time budget, periodic resumable checkpoints (`save_train_state` / `load_train_state`:
   parameters, optimizer state, step and history in one safetensors file, in the tensor names of
   `dspark_jax.formats.checkpoints`) and a wall-clock budget, so a run can be split across calls.
 * Batches as pure functions of the step: `lm_batches` (token windows), `draft_batches` (anchors
@@ -34,7 +35,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,26 +150,128 @@ def dspark_loss(draft: dm.DSparkDraft, target: tm.TargetModel, tokens: jax.Array
   return loss, {k: jnp.sum(v * counted) / total for k, v in terms.items()}
 
 
+class ScheduleState(NamedTuple):
+  """`scale_by_cosine_schedule`'s state: the step `count`, the horizon `total` and the `warmup`
+  steps (int32), the `peak` rate and its `end` value (float32), and `warmup_ppm`, the warm-up's
+  share of the horizon in parts per million (int32; -1 when the warm-up is a fixed number of
+  steps). `set_horizon` moves the horizon."""
+  count: jax.Array
+  total: jax.Array
+  warmup: jax.Array
+  peak: jax.Array
+  end: jax.Array
+  warmup_ppm: jax.Array
+
+
+def cosine_rate(count, total, warmup, peak, end):
+  """The learning rate at step `count`: linear warm-up from 0 over `warmup` steps, then cosine decay
+  from `peak` to `end` at step `total` (constant after); optax's ``warmup_cosine_decay_schedule``
+  with every argument an array (traceable)."""
+  count = jnp.asarray(count, jnp.float32)
+  total = jnp.asarray(total, jnp.float32)
+  warmup = jnp.asarray(warmup, jnp.float32)
+  progress = jnp.clip((count - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+  cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+  return jnp.where(count < warmup, peak * count / jnp.maximum(warmup, 1.0), cosine)
+
+
+def _ppm(warmup_fraction: float) -> int:
+  return int(round(warmup_fraction * 10**6))
+
+
+def _warmup_steps(total: int, warmup_ppm: int) -> int:
+  """The warm-up of a horizon of `total` steps: its share, at least one step (exact integers)."""
+  return max(1, int(total) * int(warmup_ppm) // 10**6)
+
+
+def scale_by_cosine_schedule(learning_rate: float, total_steps: int, *,
+                             warmup_fraction: float = 0.04, warmup_steps: int | None = None,
+                             end_fraction: float = 0.1) -> optax.GradientTransformation:
+  """Scales updates by ``-cosine_rate(step)``: `warmup_steps` (or `warmup_fraction` of the
+  horizon, at least one) of linear warm-up, then cosine decay to ``end_fraction *
+  learning_rate`` at `total_steps`. The horizon lives in the state (`ScheduleState`), so that
+  `set_horizon` can move it after the step rate is measured (`Trainer`'s ``fit_horizon``)."""
+  fixed = warmup_steps is not None
+  if fixed:
+    warmup = int(warmup_steps)
+    if warmup < 0:
+      raise ValueError(f"warmup_steps: expected an int >= 0, got {warmup_steps!r}")
+  else:
+    warmup = _warmup_steps(total_steps, _ppm(warmup_fraction))
+
+  def init(params):
+    del params
+    return ScheduleState(jnp.zeros([], jnp.int32), jnp.asarray(total_steps, jnp.int32),
+                         jnp.asarray(warmup, jnp.int32), jnp.asarray(learning_rate, jnp.float32),
+                         jnp.asarray(end_fraction * learning_rate, jnp.float32),
+                         jnp.asarray(-1 if fixed else _ppm(warmup_fraction), jnp.int32))
+
+  def update(updates, state, params=None):
+    del params
+    rate = cosine_rate(state.count, state.total, state.warmup, state.peak, state.end)
+    updates = jax.tree.map(lambda u: (-rate * u).astype(u.dtype), updates)
+    return updates, state._replace(count=optax.safe_int32_increment(state.count))
+  return optax.GradientTransformation(init, update)
+
+
+def _schedule_states(opt_state) -> list[ScheduleState]:
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ScheduleState))
+          if isinstance(s, ScheduleState)]
+
+
+def set_horizon(opt_state, total_steps: int):
+  """`opt_state` with every `ScheduleState`'s horizon set to `total_steps` (and its warm-up,
+  when given as a fraction, to that fraction of the new horizon); the rest unchanged."""
+  def move(s):
+    if not isinstance(s, ScheduleState):
+      return s
+    ppm = int(s.warmup_ppm)
+    warmup = s.warmup if ppm < 0 else jnp.asarray(_warmup_steps(total_steps, ppm), jnp.int32)
+    return s._replace(total=jnp.asarray(total_steps, jnp.int32), warmup=warmup)
+  return jax.tree.map(move, opt_state, is_leaf=lambda s: isinstance(s, ScheduleState))
+
+
+def horizon(opt_state) -> int | None:
+  """The horizon (total steps) of the first `ScheduleState` in `opt_state`; None without one."""
+  states = _schedule_states(opt_state)
+  return int(states[0].total) if states else None
+
+
+def learning_rate_at(opt_state, step: int) -> float | None:
+  """The rate the first `ScheduleState` in `opt_state` gives at `step`; None without one."""
+  states = _schedule_states(opt_state)
+  if not states:
+    return None
+  s = states[0]
+  return float(cosine_rate(step, s.total, s.warmup, s.peak, s.end))
+
+
 def make_schedule(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
-                  end_fraction: float = 0.1):
-  """``step -> learning rate``: linear warm-up over `warmup_fraction` of the steps (at least one),
-  then cosine decay to ``end_fraction * learning_rate`` at `total_steps` (DeepSpec's: 0)."""
-  warmup = max(1, int(warmup_fraction * total_steps))
-  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
-                                            max(total_steps, warmup + 1),
-                                            end_value=end_fraction * learning_rate)
+                  warmup_steps: int | None = None, end_fraction: float = 0.1):
+  """``step -> learning rate`` of `make_optimizer` at horizon `total_steps`: linear warm-up over
+  `warmup_steps` (or `warmup_fraction` of the steps, at least one), then cosine decay to
+  ``end_fraction * learning_rate`` (DeepSpec's: 0)."""
+  warmup = (warmup_steps if warmup_steps is not None else
+            _warmup_steps(total_steps, _ppm(warmup_fraction)))
+  return lambda step: cosine_rate(step, total_steps, warmup, learning_rate,
+                                  end_fraction * learning_rate)
 
 
 def make_optimizer(learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.04,
-                   weight_decay: float = 0.01, clip_norm: float = 1.0, b2: float = 0.95,
+                   warmup_steps: int | None = None, weight_decay: float = 0.01,
+                   clip_norm: float = 1.0, b2: float = 0.95,
                    end_fraction: float = 0.1) -> optax.GradientTransformation:
-  """AdamW (b1 0.9, `b2`, decoupled `weight_decay`) on `make_schedule`'s rates, clipped to global
-  norm `clip_norm`. DeepSpec's recipe is ``b2=0.999, weight_decay=0.0, end_fraction=0.0``
-  (`dspark_jax.train.drafter.TrainOptions`' defaults)."""
-  schedule = make_schedule(learning_rate, total_steps, warmup_fraction=warmup_fraction,
-                           end_fraction=end_fraction)
+  """AdamW (b1 0.9, `b2`, decoupled `weight_decay`) on `make_schedule`'s rates (its horizon in the
+  state: `scale_by_cosine_schedule`), clipped to global norm `clip_norm`. DeepSpec's recipe is
+  ``b2=0.999, weight_decay=0.0, end_fraction=0.0`` (`dspark_jax.train.drafter.TrainOptions`'
+  defaults)."""
   return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
+                     optax.scale_by_adam(b1=0.9, b2=b2),
+                     optax.add_decayed_weights(weight_decay),
+                     scale_by_cosine_schedule(learning_rate, total_steps,
+                                              warmup_fraction=warmup_fraction,
+                                              warmup_steps=warmup_steps,
+                                              end_fraction=end_fraction))
 
 
 _STEP_PROGRAMS: dict = {}
@@ -244,7 +347,13 @@ class Trainer:
       inserts the gradient reduction. `frozen` is replicated too, but for the leaves already laid
       out on `mesh` (a target sharded by `dspark_jax.shard` over the mesh's tensor axis), which
       keep their layout.
-    schedule: ``step -> learning rate``, shown on the progress bar and logged.
+    schedule: ``step -> learning rate``, shown on the progress bar and logged (default: the
+      rate of the optimizer's `ScheduleState`, when it has one).
+    fit_horizon: with `max_seconds`, on a fresh run: after one step (the compile) and
+      `probe_steps` more, the step rate is measured and ``train``'s step count and the schedule's
+      horizon (`set_horizon`) become what the rest of the budget allows (95 % of it, at most the
+      steps asked for); the outcome is in `fitted`. A resumed run keeps the horizon it saved.
+      Evaluations after the probe are not budgeted: the time limit stops the run in any case.
     tokens_per_step: tokens one step trains on, for the bar's tokens/s.
     evaluate, evaluate_every: ``evaluate(model) -> {name: float}`` run before the first step,
       every `evaluate_every` steps and at the end, on the model holding the current parameters; results go to
@@ -269,11 +378,17 @@ class Trainer:
   evaluate: Callable[[nnx.Module], dict] | None = None
   evaluate_every: int = 0
   evaluations: list = dataclasses.field(default_factory=list)
+  fit_horizon: bool = False
+  probe_steps: int = 30
+  fitted: dict | None = None
 
   def __post_init__(self):
     if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or \
         self.accumulate < 1:
       raise ValueError(f"accumulate: expected an int >= 1, got {self.accumulate!r}")
+    if isinstance(self.probe_steps, bool) or not isinstance(self.probe_steps, int) or \
+        self.probe_steps < 1:
+      raise ValueError(f"probe_steps: expected an int >= 1, got {self.probe_steps!r}")
     self.graphdef, params, self.rest = nnx.split(self.model, nnx.Param, ...)
     self.shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     master = self.master_dtype
@@ -322,6 +437,18 @@ class Trainer:
     if not bar.disable:
       bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
 
+  def _fit(self, steps: int, now: float, start: float, probe_start: float) -> int:
+    """The step count the budget allows after the probe; the horizon set to it."""
+    rate = self.probe_steps / max(now - probe_start, 1e-9)
+    left = self.max_seconds - (now - start)
+    fitted = min(steps, self.step + max(0, int(0.95 * rate * left)))
+    self.opt_state = set_horizon(self.opt_state, fitted)
+    if self.mesh is not None:
+      self.opt_state = jax.device_put(
+          self.opt_state, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    self.fitted.update(steps_per_second=rate, requested_steps=steps, horizon=fitted)
+    return fitted
+
   def train(self, batches: Callable[[int], Any], steps: int, *, log_every: int = 50,
             progress: bool = True) -> nnx.Module:
     """Trains until `steps` total steps (or the time budget); returns the model with new params.
@@ -329,6 +456,11 @@ class Trainer:
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
+    fitting = self.fit_horizon and self.max_seconds is not None
+    if fitting and self.step > 0:        # a resumed fitted run finishes the horizon it saved
+      steps = min(steps, horizon(self.opt_state) or steps)
+      fitting = False
+    probe_start = None
     bar = tqdm(total=steps, initial=self.step, desc="train", dynamic_ncols=True,
                mininterval=2.0, disable=not progress)
     since, since_step = time.perf_counter(), self.step
@@ -340,11 +472,23 @@ class Trainer:
           self._place(batches(self.step)))
       self.step += 1
       bar.update(1)
+      if fitting and self.step in (1, 1 + self.probe_steps) and self.step < steps:
+        jax.block_until_ready(self.params)
+        if self.step == 1:
+          probe_start = time.perf_counter()
+          self.fitted = {"first_step_s": probe_start - start}
+        else:
+          steps = self._fit(steps, time.perf_counter(), start, probe_start)
+          bar.total = steps
+          bar.refresh()
+          fitting = False
       if self.step % log_every == 0 or self.step == steps:
         metrics = {k: float(v) for k, v in metrics.items()}
         now = time.perf_counter()
-        if self.schedule is not None:
-          metrics["lr"] = float(self.schedule(self.step - 1))
+        rate = (learning_rate_at(self.opt_state, self.step - 1) if self.schedule is None
+                else float(self.schedule(self.step - 1)))
+        if rate is not None:
+          metrics["lr"] = rate
         if self.tokens_per_step:
           metrics["tokens_per_s"] = (self.tokens_per_step * (self.step - since_step)
                                      / max(now - since, 1e-9))
