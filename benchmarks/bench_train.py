@@ -69,10 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--anchors", type=int, default=None, help="blocks per sequence (512)")
   parser.add_argument("--gamma", type=int, default=7)
   parser.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="4b")
-  parser.add_argument("--shared-attention", default="xla",
+  parser.add_argument("--shared-attention", default="auto",
                       help="comma list of forms of the draft's shared-context attention to time "
                            f"side by side (${attention.SHARED_ENV_VAR} for each step: "
-                           f"{', '.join(attention.SHARED_FORMS)}; default xla)")
+                           f"{', '.join(attention.SHARED_FORMS)}; default auto)")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace steps into DIR and print their kernels by group")
   parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")

@@ -131,8 +131,13 @@ def test_the_drafter_loss_and_gradients_do_not_change_through_the_kernel(monkeyp
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_the_choice_is_xla_unless_ragged_is_asked_and_bad_requests_are_named(monkeypatch):
+def test_the_choice_is_ragged_where_it_may_run_and_bad_requests_are_named(monkeypatch):
   q, k = jnp.zeros((1, 8, 4, 16), jnp.bfloat16), jnp.zeros((1, 2, 64, 16), jnp.float32)
+  monkeypatch.delenv(attention.SHARED_ENV_VAR, raising=False)
+  assert attention.choose_shared(q, k, platform="gpu") == "ragged"    # auto, the default
+  assert attention.choose_shared(q, k, platform="cpu") == "xla"
+  assert attention.choose_shared(q, jnp.zeros((1, 2, 60, 16)), platform="gpu") == "xla"
+  monkeypatch.setenv(attention.SHARED_ENV_VAR, "xla")
   assert attention.choose_shared(q, k, platform="gpu") == "xla"
   monkeypatch.setenv(attention.SHARED_ENV_VAR, "ragged")
   assert attention.choose_shared(q, k, platform="gpu") == "ragged"   # k read in q's dtype
@@ -141,7 +146,7 @@ def test_the_choice_is_xla_unless_ragged_is_asked_and_bad_requests_are_named(mon
   with pytest.raises(ValueError, match="S=60 are not a multiple"):
     attention.choose_shared(q, jnp.zeros((1, 2, 60, 16)), platform="gpu")
   monkeypatch.setenv(attention.SHARED_ENV_VAR, "cudnn")
-  with pytest.raises(ValueError, match="expected one of xla, ragged, got 'cudnn'"):
+  with pytest.raises(ValueError, match="expected one of auto, xla, ragged, got 'cudnn'"):
     attention.choose_shared(q, k)
 
 
@@ -166,4 +171,41 @@ def test_backward_kernels_skip_the_blocks_past_ascending_limits_and_stay_exact()
                                               jnp.sum(do * out, axis=-1) - d_lse, block_kv=16,
                                               interpret=INTERPRET)
   for name, g, r in zip("qkv", grads, ref):
+    assert _relative(g, r) < 1e-5, (name, _relative(g, r))
+
+
+@pytest.mark.kernel
+def test_under_a_data_parallel_mesh_the_kernel_runs_on_each_shard_of_the_batch(monkeypatch):
+  # jit does not partition a Pallas kernel: inside `batch_sharded` (the Trainer's step with a
+  # mesh) the kernel must see a device's rows only, and the values and gradients stay exact.
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+  from dspark_jax.parallel import placement
+  rng = np.random.default_rng(5)
+  b = 4
+  q = jnp.asarray(rng.normal(size=(b, T, N, D)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, K, S, D)), jnp.float32) for _ in range(2))
+  limits = jnp.asarray(rng.integers(0, S + 1, (b, T)), jnp.int32)
+  weights = (jnp.asarray(rng.normal(size=(b, K, N // K, T)), jnp.float32),
+             jnp.asarray(rng.normal(size=(b, K, N // K, T, D)), jnp.float32))
+  rows = []
+  kernel, backward = ragged_attention.ragged_attention, shared_attention.backward_kernels
+  monkeypatch.setattr(ragged_attention, "ragged_attention", lambda q, *a, **kw: rows.append(
+      q.shape[0]) or kernel(q, *a, **{**kw, "interpret": INTERPRET}))
+  monkeypatch.setattr(shared_attention, "backward_kernels", lambda q, *a, **kw: rows.append(
+      q.shape[0]) or backward(q, *a, **{**kw, "interpret": INTERPRET}))
+  monkeypatch.setattr(attention, "_platform", lambda: "gpu")
+  monkeypatch.setenv(attention.SHARED_ENV_VAR, "ragged")
+  mesh = placement.make_mesh(1, 4)
+  sharded = jax.device_put((q, k, v, limits),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp")))
+  step = jax.jit(jax.value_and_grad(_objective(attention.shared_limited_part, weights),
+                                    (0, 1, 2)))
+  with jax.default_matmul_precision("highest"), attention.batch_sharded(mesh, "dp"):
+    value, grads = step(*sharded)
+    ref_value, ref_grads = jax.value_and_grad(_objective(attention.limited_part, weights),
+                                              (0, 1, 2))(q, k, v, limits)
+  assert rows and set(rows) == {b // 4}            # forward and backward: one row a device
+  assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
+  for name, g, r in zip("qkv", grads, ref_grads):
     assert _relative(g, r) < 1e-5, (name, _relative(g, r))

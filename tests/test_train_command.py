@@ -347,6 +347,33 @@ def test_data_parallel_over_four_devices_equals_one_device():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_data_parallel_step_is_traced_with_the_batch_sharding_for_the_kernels():
+  # Pallas kernels are not partitioned by jit: the step of a trainer with a mesh is traced inside
+  # `attention.batch_sharded`, which runs them per shard (tests/test_shared_attention.py).
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py asks XLA for 8 CPU devices)")
+  from dspark_jax.kernels import attention
+  seen = []
+
+  def loss(model, target, batch):
+    seen.append(attention._BATCH_SHARDING.get())
+    return training.dspark_loss(model, target, *batch)
+  sequences = np.random.default_rng(1).integers(0, 60, (16, 24))
+  batches = training.draft_batches(sequences, 8, 4, 2, first_anchor=1, seed=4)
+  mesh = placement.make_mesh(1, 4)
+  target = tm.TargetModel(SMALL, rngs=nnx.Rngs(0))
+  config = dm.DraftConfig(gamma=2, num_layers=1, target_layer_ids=(0,), mask_token_id=63, rank=4)
+  trainer = training.Trainer(dm.DSparkDraft(config, SMALL, rngs=nnx.Rngs(1)), loss, _OPTIMIZER,
+                             frozen=target, mesh=mesh)
+  trainer.train(batches, 1, progress=False)
+  assert seen and all(s == (mesh, "dp") for s in seen)
+  seen.clear()
+  single = training.Trainer(dm.DSparkDraft(config, SMALL, rngs=nnx.Rngs(1)), loss, _OPTIMIZER,
+                            frozen=target)
+  single.train(batches, 1, progress=False)
+  assert seen and all(s is None for s in seen)
+
+
 def test_a_target_split_over_tp_trains_as_on_one_device():
   # The frozen target laid out by `dspark_jax.shard` over a (dp 2, tp 2) mesh of 4 CPU devices
   # (weights, heads and vocabulary split over tp), the batch over dp: the losses and parameters

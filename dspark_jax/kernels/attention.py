@@ -60,6 +60,8 @@ ragged kernel and its backward Pallas kernels of its own (`kernels.shared_attent
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import jax
@@ -621,13 +623,14 @@ def join_block(q: jax.Array, prefix, block_k: jax.Array, block_v: jax.Array,
 
 
 SHARED_ENV_VAR = "DSPARK_JAX_SHARED_ATTENTION"
-SHARED_FORMS = ("xla", "ragged")
+SHARED_FORMS = ("auto", "xla", "ragged")
 
 
 def choose_shared(q, k, platform: str | None = None) -> str:
   """``"xla"`` or ``"ragged"``: the form of training's shared-context attention
   (`shared_limited_part`) for queries `q` [B, T, N, D] over head-major keys `k` [B, K, S, D].
-  ``$DSPARK_JAX_SHARED_ATTENTION``: ``xla`` (the default: einsums in query tiles) or ``ragged``
+  ``$DSPARK_JAX_SHARED_ATTENTION``: ``auto`` (the default: ``ragged`` wherever its preconditions
+  hold, else ``xla``), ``xla`` (einsums in query tiles) or ``ragged``
   (`kernels.shared_attention`: the ragged kernel's forward and Pallas kernels for the backward,
   reading k and v in q's dtype).
 
@@ -635,15 +638,32 @@ def choose_shared(q, k, platform: str | None = None) -> str:
     ValueError: an unknown value, or ``ragged`` where the kernel's preconditions fail (naming
       the first).
   """
-  requested = os.environ.get(SHARED_ENV_VAR, "xla") or "xla"
+  requested = os.environ.get(SHARED_ENV_VAR, "auto") or "auto"
   if requested not in SHARED_FORMS:
     raise ValueError(f"{SHARED_ENV_VAR}: expected one of {', '.join(SHARED_FORMS)}, got "
                      f"{requested!r}")
-  if requested != "xla":
-    failed = ragged_precondition(q, jax.ShapeDtypeStruct(k.shape, q.dtype), platform)
-    if failed:
-      raise ValueError(f"{SHARED_ENV_VAR}={requested}: precondition failed: {failed}")
-  return requested
+  if requested == "xla":
+    return "xla"
+  failed = ragged_precondition(q, jax.ShapeDtypeStruct(k.shape, q.dtype), platform)
+  if failed and requested == "ragged":
+    raise ValueError(f"{SHARED_ENV_VAR}={requested}: precondition failed: {failed}")
+  return "xla" if failed else "ragged"
+
+
+_BATCH_SHARDING = contextvars.ContextVar("dspark_jax_batch_sharding", default=None)
+
+
+@contextlib.contextmanager
+def batch_sharded(mesh, axis: str):
+  """While tracing inside it, the kernel form of `shared_limited_part` runs on each shard of the
+  batch over `mesh` axis `axis` (`jax.shard_map`): jit does not partition a Pallas kernel, and
+  would otherwise gather the batch and run the whole of it on every device. The `Trainer` of a
+  data-parallel run traces its step inside it."""
+  token = _BATCH_SHARDING.set((mesh, axis))
+  try:
+    yield
+  finally:
+    _BATCH_SHARDING.reset(token)
 
 
 SHARED_QUERY_TILE = 512
@@ -664,8 +684,16 @@ def shared_limited_part(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Ar
   Returns (lse [B, K, G, T], out [B, K, G, T, D])."""
   if choose_shared(q, k) == "ragged":
     from dspark_jax.kernels import shared_attention
-    return kernel_part(*shared_attention.limited_part_kernel(
-        q, k.astype(q.dtype), v.astype(q.dtype), limits), k.shape[1])
+
+    def kernel(q, k, v, limits):
+      return kernel_part(*shared_attention.limited_part_kernel(
+          q, k.astype(q.dtype), v.astype(q.dtype), limits), k.shape[1])
+    sharding = _BATCH_SHARDING.get()
+    if sharding is not None and sharding[0].shape[sharding[1]] > 1:
+      spec = jax.sharding.PartitionSpec(sharding[1])
+      kernel = jax.shard_map(kernel, mesh=sharding[0], in_specs=(spec,) * 4,
+                             out_specs=(spec, spec), check_vma=False)
+    return kernel(q, k, v, limits)
   b, t, n, d = q.shape
   tile = max(1, min(tile or SHARED_QUERY_TILE, t))
   tiles = -(-t // tile)

@@ -31,6 +31,7 @@ draft's own parameters are differentiated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -44,6 +45,7 @@ import optax
 from flax import nnx
 
 from dspark_jax.formats import checkpoints
+from dspark_jax.kernels import attention
 from dspark_jax.models import draft as dm
 from dspark_jax.draft import heads
 from dspark_jax.models import target as tm
@@ -279,10 +281,11 @@ _STEP_PROGRAMS: dict = {}
 dtypes, micro-batches): trainers of the same model and objective share one program."""
 
 
-def _step_program(graphdef, frozen_def, loss_fn, optimizer, shapes, parts: int):
+def _step_program(graphdef, frozen_def, loss_fn, optimizer, shapes, parts: int, sharding=None):
   """The jitted ``(params, rest, frozen_state, opt_state, batch) -> (params, opt_state,
-  metrics)`` of a `Trainer` (params and opt_state donated)."""
-  key = (graphdef, frozen_def, id(loss_fn), id(optimizer), parts,
+  metrics)`` of a `Trainer` (params and opt_state donated); `sharding` (mesh, data axis) is the
+  batch sharding it is traced under (`attention.batch_sharded`), part of the program's key."""
+  key = (graphdef, frozen_def, id(loss_fn), id(optimizer), parts, sharding,
          tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes)))
   if key in _STEP_PROGRAMS:
     return _STEP_PROGRAMS[key][0]
@@ -411,7 +414,14 @@ class Trainer:
           lambda x: x if _laid_out_on(x, self.mesh) else jax.device_put(x, replicated),
           self.frozen_state)
     self._step_fn = _step_program(self.graphdef, self.frozen_def, self.loss_fn, self.optimizer,
-                                  self.shapes, self.accumulate)
+                                  self.shapes, self.accumulate,
+                                  None if self.mesh is None else (self.mesh, self.data_axis))
+
+  def _tracing(self):
+    """The context the step is traced in: with a mesh, kernels run per shard of the batch."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return attention.batch_sharded(self.mesh, self.data_axis)
 
   def _place(self, batch):
     if self.mesh is None:
@@ -467,9 +477,10 @@ class Trainer:
     if self.evaluate is not None and self.evaluate_every and self.step == 0 and steps > 0:
       self._evaluate(bar)  # the untrained model: where the curve starts
     while self.step < steps:
-      self.params, self.opt_state, metrics = self._step_fn(
-          self.params, self.rest, self.frozen_state, self.opt_state,
-          self._place(batches(self.step)))
+      with self._tracing():
+        self.params, self.opt_state, metrics = self._step_fn(
+            self.params, self.rest, self.frozen_state, self.opt_state,
+            self._place(batches(self.step)))
       self.step += 1
       bar.update(1)
       if fitting and self.step in (1, 1 + self.probe_steps) and self.step < steps:
