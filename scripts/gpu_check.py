@@ -218,7 +218,7 @@ def steps(args, out: str) -> list[Step]:
       # addopts replaced: the GPU machine has no nbmake (notebooks run in CI, on the CPU).
       Step("tests", [py, "-m", "pytest", "-o", "addopts=-ra", "-n", "2", "-q", "-x", "-p",
                      "no:cacheprovider", *TESTS, "-m", "not slow" if smoke else TEST_MARKS],
-           240 * scale, _check_tests, dict(platform, **test_env)),
+           330 * scale, _check_tests, dict(platform, **test_env)),
       Step("demo", cli + ["demo", *demo_args], 60 * scale, _check_demo, platform),
       Step("eval", cli + ["eval", *eval_args, "--temperatures", "0,1", "--out", eval_dir],
            90 * scale, _check_eval(eval_dir), platform),
