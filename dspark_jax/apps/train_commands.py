@@ -6,8 +6,8 @@
   --steps N --epochs E --batch-size B --seq-len L --anchors A --lr LR --warmup F --warmup-steps N
   --final-lr F --weight-decay W --accumulate K --dp N --tp N --seed S
   --thinking on|off --heldout N --eval-every N --eval-tokens N --checkpoint-every N
-  --format deepspec|speculators --dtype D --max-seconds S --fit-budget]``: `dspark_jax.train.drafter.train_drafter`;
-  prints a one-line summary. Rerunning with the same ``--out`` resumes.
+  --format deepspec|speculators --dtype D --max-seconds S --fit-budget]``:
+  `dspark_jax.train.drafter.train_drafter`; prints a one-line summary. Rerunning with the same ``--out`` resumes.
 * ``dspark-jax regenerate --target DIR [--draft DIR] --prompts FILE.jsonl --out FILE.jsonl
   [--max-new-tokens N --temperature T --concurrency S --thinking on|off --seed S]``: the target's
   own answers (`dspark_jax.train.regenerate.regenerate`); rerunning resumes.

@@ -17,10 +17,11 @@ This module owns how weights are learned:
   `set_horizon` can fit it to a time budget once the step rate is measured.
 * `Trainer`: jitted train steps over nnx parameters (optionally float32 master parameters over
   lower-precision weights, gradient accumulation, data parallelism over a mesh axis by jit's SPMD
-  partitioning), a progress bar with the loss terms, learning rate and tokens/s, periodic
-  evaluation, a step count fitted to a time budget, periodic resumable checkpoints (`save_train_state` / `load_train_state`:
-  parameters, optimizer state, step and history in one safetensors file, in the tensor names of
-  `dspark_jax.formats.checkpoints`) and a wall-clock budget, so a run can be split across calls.
+  partitioning; Pallas kernels per shard, `attention.batch_sharded`), a progress bar with the
+  loss terms, learning rate and tokens/s, periodic evaluation, periodic resumable checkpoints
+  (`save_train_state` / `load_train_state`: parameters, optimizer state, step and history in one
+  safetensors file, in the tensor names of `dspark_jax.formats.checkpoints`) and a wall-clock
+  budget, so a run can be split across calls, its step count fitted to the budget on request.
 * Batches as pure functions of the step: `lm_batches` (token windows), `draft_batches` (anchors
   anywhere past a prompt) and `masked_draft_batches` (anchors whose block starts on a response
   token, with the response mask for `dspark_loss`).
