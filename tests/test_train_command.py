@@ -467,6 +467,14 @@ def _fails(argv, capsys) -> str:
   return str(error.value.code) + capsys.readouterr().err
 
 
+def test_bad_schedule_flags_are_named(chain_dir, tmp_path, capsys):
+  _, target, data = chain_dir
+  base = ["train", "--target", target, "--data", data, "--out", str(tmp_path / "out")]
+  assert "--fit-budget" in _fails(base + ["--fit-budget"], capsys)        # no --max-seconds
+  assert "--warmup" in _fails(base + ["--warmup", "1.5"], capsys)
+  assert "--warmup-steps" in _fails(base + ["--warmup-steps", "-2"], capsys)
+
+
 def test_bad_data_is_refused_by_name(chain_dir, tmp_path, capsys):
   _, target, _ = chain_dir
   out = str(tmp_path / "out")
