@@ -375,3 +375,67 @@ def test_two_processes_decode_one_devices_tokens(tmp_path):
     result = json.loads((tmp_path / f"{i}.json").read_text())
     assert (result["process"], result["devices"], result["local_devices"]) == (i, 4, 2)
     np.testing.assert_array_equal(result["tokens"], want)
+
+
+# ---- Pallas kernels under a mesh ------------------------------------------------------------------
+
+
+def _ragged_on_cpu(monkeypatch, seen):
+  """The ragged kernel in Pallas' interpreter, recording the (rows, kv heads) of each call."""
+  from dspark_jax.kernels import ragged_attention
+  kernel = ragged_attention.ragged_attention
+  monkeypatch.setattr(ragged_attention, "ragged_attention", lambda q, k, *a, **kw: seen.append(
+      (q.shape[0], k.shape[1])) or kernel(q, k, *a, **{**kw, "interpret": True}))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_ragged_kernel_runs_on_each_devices_heads_and_rows(monkeypatch, paged):
+  # jit does not partition a Pallas kernel: under `kernels_on(plan)` it must see one device's KV
+  # heads (and rows over dp), and give one device's values.
+  from dspark_jax.kernels import attention
+  seen = []
+  _ragged_on_cpu(monkeypatch, seen)
+  rng = np.random.default_rng(0)
+  b, t, n, k, d, s = 4, 3, 8, 4, 16, 64
+  q = jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32)
+  limits = jnp.asarray(rng.integers(0, s + 1, (b, t)), jnp.int32)
+  if paged:
+    cache = (jnp.asarray(rng.normal(size=(2 * b * s // 16, k, 16, d)), jnp.float32)
+             for _ in range(2))
+    table = jnp.asarray(rng.permutation(2 * b * s // 16)[:b * s // 16].reshape(b, s // 16),
+                        jnp.int32)
+  else:
+    cache = (jnp.asarray(rng.normal(size=(b, k, s, d)), jnp.float32) for _ in range(2))
+    table = None
+  keys, values = cache
+  want = attention.ragged(q, keys, values, limits, table)
+  plan = layout.Plan(dj.make_mesh(2, 2), dp="dp")
+  seen.clear()
+  run = jax.jit(lambda *a: attention.ragged(*a))
+  with attention.kernels_on(plan):
+    got = run(q, keys, values, limits, table)
+  assert seen and set(seen) == {(b // 2, k // 2)}
+  for a, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)
+  seen.clear()
+  with attention.kernels_on(layout.Plan(dj.make_mesh(1))):       # one device: no shard_map
+    attention.ragged(q, keys, values, limits, table)
+  assert seen == [(b, k)]
+
+
+def test_sharded_models_trace_their_layers_with_their_plan(pair, monkeypatch):
+  # The target's and the draft's forwards enter `kernels_on` with their own plan, so that a kernel
+  # inside runs per device; an unsharded model enters it with None.
+  from dspark_jax.kernels import attention
+  target, draft = pair
+  sharded_target, sharded_draft = dj.shard(target, draft, dj.make_mesh(2))
+  plans = []
+  choose = attention.choose_cached
+  monkeypatch.setattr(attention, "choose_cached", lambda *a, **kw: plans.append(
+      attention._KERNEL_PLAN.get()) or choose(*a, **kw))
+  for t, d, plan in ((target, draft, None), (sharded_target, sharded_draft, sharded_target.plan)):
+    plans.clear()
+    dj.generate(t, d, PROMPTS[:2], dj.SamplingParams(temperature=0.0, batch_size=2),
+                jax.random.key(0), max_new_tokens=4)
+    assert plans and all(p == plan for p in plans)
