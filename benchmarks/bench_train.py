@@ -34,14 +34,19 @@ Reported per step (median of ``--repeats`` steps after ``--warmup``, `harness.ti
   against their floors at this run's rates), also in the JSON under ``profile``;
 * with ``--shared-attention xla,ragged``, one step per form of the draft's shared-context
   attention (``$DSPARK_JAX_SHARED_ATTENTION``, `kernels.attention.choose_shared`), side by side
-  in one process, each row with its time against the first's (``× first``); the profile is the
-  first form's. The JSON's ``runs`` holds every row.
+  in one process, each row with its tokens/s against the first's (``× first``); the profile is
+  the first form's. The JSON's ``runs`` holds every row;
+* with ``--dp 1,2,8``, data parallelism: for each count N, the `Trainer`'s step over a mesh of N
+  devices (`placement.make_mesh(1, N)`: the batch split by rows, ``--batch`` rows per device, the
+  Pallas kernels per shard), each row with the tokens/s per device and the scaling against N
+  times the first row's per-device rate; MFU against N times this device's matrix rate.
 
   python -m benchmarks.bench_train --small                   # CPU smoke check
   python -m benchmarks.bench_train                           # DeepSpec's: 1 x 4096, 512 anchors
   python -m benchmarks.bench_train --batch 2 --seq-len 2048 --anchors 64
   python -m benchmarks.bench_train --profile /tmp/train_profile   # and its kernels by group
   python -m benchmarks.bench_train --shared-attention xla,ragged     # the flash form against it
+  python -m benchmarks.bench_train --dp 1,2,4,8                       # data-parallel scaling
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from benchmarks import bench_decode
 from benchmarks import bench_profile
 from benchmarks import harness
 from dspark_jax.kernels import attention
+from dspark_jax.parallel import placement
 from dspark_jax.train import trainer as training
 
 
@@ -73,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="comma list of forms of the draft's shared-context attention to time "
                            f"side by side (${attention.SHARED_ENV_VAR} for each step: "
                            f"{', '.join(attention.SHARED_FORMS)}; default auto)")
+  parser.add_argument("--dp", type=harness.int_list, default=[1],
+                      help="comma list of data-parallel device counts, each its own row (--batch "
+                           "rows per device; default 1)")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace steps into DIR and print their kernels by group")
   parser.add_argument("--trace-repeats", type=int, default=3, help="steps traced (default 3)")
@@ -113,9 +122,10 @@ def model_flops(target, draft, batch: int, length: int, anchors: int) -> dict[st
   return out
 
 
-def build_step(target, draft, batch: int, length: int, anchors: int):
+def build_step(target, draft, batch: int, length: int, anchors: int, dp: int = 1):
   """A thunk running one training step (the trainer's state carried from call to call), and the
-  step's compiled memory (`memory`)."""
+  step's compiled memory (`memory`); with `dp` > 1 over a mesh of that many devices, `batch` rows
+  on each."""
   def loss(model, frozen, data):
     return training.dspark_loss(model, frozen, *data)
 
@@ -123,21 +133,26 @@ def build_step(target, draft, batch: int, length: int, anchors: int):
                                       end_fraction=0.0)
   graphdef, state = nnx.split(draft)        # a copy: the step donates the trained parameters
   draft = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-  trainer = training.Trainer(draft, loss, optimizer, frozen=target, master_dtype=jnp.float32)
+  mesh = None if dp == 1 else placement.make_mesh(1, dp)
+  trainer = training.Trainer(draft, loss, optimizer, frozen=target, master_dtype=jnp.float32,
+                             mesh=mesh)
   gamma = draft.config.gamma
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, target.config.vocab_size - 1, (batch, length))
-  data = harness.on_device((
-      jnp.asarray(tokens, jnp.int32),
-      jnp.asarray(rng.integers(1, length - gamma, (batch, anchors)), jnp.int32),
-      jnp.ones((batch, length), bool)))
+  rows = batch * dp
+  tokens = rng.integers(0, target.config.vocab_size - 1, (rows, length))
+  data = (jnp.asarray(tokens, jnp.int32),
+          jnp.asarray(rng.integers(1, length - gamma, (rows, anchors)), jnp.int32),
+          jnp.ones((rows, length), bool))
+  data = harness.on_device(data) if mesh is None else jax.block_until_ready(trainer._place(data))
 
   def step():
-    trainer.params, trainer.opt_state, metrics = trainer._step_fn(
-        trainer.params, trainer.rest, trainer.frozen_state, trainer.opt_state, data)
+    with trainer._tracing():
+      trainer.params, trainer.opt_state, metrics = trainer._step_fn(
+          trainer.params, trainer.rest, trainer.frozen_state, trainer.opt_state, data)
     return metrics["loss"]
-  compiled = trainer._step_fn.lower(trainer.params, trainer.rest, trainer.frozen_state,
-                                    trainer.opt_state, data).compile()
+  with trainer._tracing():
+    compiled = trainer._step_fn.lower(trainer.params, trainer.rest, trainer.frozen_state,
+                                      trainer.opt_state, data).compile()
   step.hlo = compiled.as_text
   return step, memory(compiled)
 
@@ -196,8 +211,9 @@ def main(argv=None) -> int:
   flops = model_flops(target, draft, args.batch, args.seq_len, args.anchors)
   results, target_s, error = [], None, None
   for implementation in args.shared_attention:
-    results.append(time_step(args, target, draft, implementation, flops, bandwidth, rate,
-                             profile=args.profile if not results else None))
+    for dp in args.dp:
+      results.append(time_step(args, target, draft, implementation, flops, bandwidth, rate,
+                               profile=args.profile if not results else None, dp=dp))
   if not any(r["error"] for r in results):
     try:
       target_s = harness.time_one(build_target_part(target, args.batch, args.seq_len),
@@ -209,39 +225,45 @@ def main(argv=None) -> int:
     result["target_seconds"] = target_s
     if result["seconds"] is not None and target_s is not None:
       result["target_share"] = target_s / result["seconds"]
-    if result["seconds"] is not None and results[0]["seconds"] is not None:
-      result["vs_first"] = results[0]["seconds"] / result["seconds"]
+    first = results[0]
+    if result["seconds"] is not None and first["seconds"] is not None:
+      result["vs_first"] = result["sequence_tokens_per_s"] / first["sequence_tokens_per_s"]
+      result["scaling"] = result["vs_first"] * first["dp"] / result["dp"]
     cell = lambda key, fmt, r=result: "-" if r.get(key) is None else fmt.format(r[key])
     planned = result["memory"]
-    rows.append([result["shared_attention"], str(args.batch), str(args.seq_len), str(args.anchors),
-                 str(args.gamma), cell("seconds", "{:.4f}"), cell("vs_first", "{:.3f}"),
+    rows.append([result["shared_attention"], str(result["dp"]), str(args.batch),
+                 str(args.seq_len), str(args.anchors), str(args.gamma), cell("seconds", "{:.4f}"),
+                 cell("vs_first", "{:.3f}"), cell("scaling", "{:.3f}"),
                  cell("sequence_tokens_per_s", "{:.0f}"), cell("block_tokens_per_s", "{:.0f}"),
-                 f"{flops['total'] / 1e12:.2f}", cell("mfu", "{:.3f}"),
+                 f"{flops['total'] * result['dp'] / 1e12:.2f}", cell("mfu", "{:.3f}"),
                  cell("target_seconds", "{:.4f}"), cell("target_share", "{:.2f}"),
                  "-" if not planned else _size(planned["peak_bytes"]),
                  (result["error"] or error or "")[:40]])
   result = dict(results[0], runs=results) if len(results) > 1 else results[0]
   title = (f"bench_train ({meta['device_kind']}; one drafter training step; MFU against this "
            f"run's bf16 matmul rate {meta['matmul_tflops']:.1f} TFLOP/s)")
-  header = ["shared attn", "B", "L", "A", "γ", "s/step", "× first", "seq tok/s", "block tok/s",
-            "TFLOP", "MFU", "target s", "share", "peak", "error"]
+  header = ["shared attn", "dp", "B/dev", "L", "A", "γ", "s/step", "× first", "scaling",
+            "seq tok/s", "block tok/s", "TFLOP", "MFU", "target s", "share", "peak", "error"]
   harness.finish(title, header, rows, meta=meta, results=result, json_path=args.json)
   return int(error is not None or any(r["error"] for r in results))
 
 
 def time_step(args, target, draft, implementation: str, flops: dict, bandwidth: float,
-              rate: float, profile: str | None) -> dict:
+              rate: float, profile: str | None, dp: int = 1) -> dict:
   """One training step compiled with the shared-context attention `implementation`
-  (``$DSPARK_JAX_SHARED_ATTENTION`` while it is traced), timed (and with `profile`, traced and
-  reduced): its result row."""
+  (``$DSPARK_JAX_SHARED_ATTENTION`` while it is traced) over `dp` devices, timed (and with
+  `profile`, traced and reduced): its result row (`flops`: one device's rows)."""
   error, seconds, planned, reduced = None, None, None, None
   before = os.environ.get(attention.SHARED_ENV_VAR)
   os.environ[attention.SHARED_ENV_VAR] = implementation
   try:
-    step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors)
+    if dp > len(jax.devices()):
+      raise ValueError(f"--dp {dp}: {len(jax.devices())} devices here")
+    step, planned = build_step(target, draft, args.batch, args.seq_len, args.anchors, dp)
     if planned:
-      print(f"shared attention {implementation}: compiled step: scratch {_size(planned['temp_bytes'])}, "
-            f"estimated peak {_size(planned['peak_bytes'])}", flush=True)
+      print(f"shared attention {implementation}, dp {dp}: compiled step: scratch "
+            f"{_size(planned['temp_bytes'])}, estimated peak {_size(planned['peak_bytes'])}",
+            flush=True)
     seconds = harness.time_one(step, repeats=args.repeats, warmup=args.warmup)
     if profile:
       reduced = profile_step(step, profile, calls=args.trace_repeats, bandwidth=bandwidth,
@@ -259,12 +281,15 @@ def time_step(args, target, draft, implementation: str, flops: dict, bandwidth: 
       os.environ.pop(attention.SHARED_ENV_VAR, None)
     else:
       os.environ[attention.SHARED_ENV_VAR] = before
-  result = {"shared_attention": implementation, "batch": args.batch, "seq_len": args.seq_len,
-            "anchors": args.anchors, "gamma": args.gamma, "seconds": seconds,
-            "model_flops": flops, "error": error, "memory": planned, "profile": reduced}
+  result = {"shared_attention": implementation, "dp": dp, "batch": args.batch,
+            "seq_len": args.seq_len, "anchors": args.anchors, "gamma": args.gamma,
+            "seconds": seconds, "model_flops": flops, "error": error, "memory": planned,
+            "profile": reduced}
   if seconds is not None:
-    result.update(sequence_tokens_per_s=args.batch * args.seq_len / seconds,
-                  block_tokens_per_s=args.batch * args.anchors * args.gamma / seconds,
+    rows = args.batch * dp
+    result.update(sequence_tokens_per_s=rows * args.seq_len / seconds,
+                  block_tokens_per_s=rows * args.anchors * args.gamma / seconds,
+                  per_device_tokens_per_s=args.batch * args.seq_len / seconds,
                   mfu=flops["total"] / seconds / rate)
   return result
 

@@ -143,7 +143,7 @@ def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys, mo
       tmp_path / "train.json", capsys)
   result = saved["results"]
   assert [run["shared_attention"] for run in result["runs"]] == ["xla", "ragged"]
-  assert (row[0], kernel_row[0]) == ("xla", "ragged") and row[6] == "1.000"
+  assert (row[0], kernel_row[0]) == ("xla", "ragged") and row[7] == "1.000"
   assert result["runs"][1]["profile"] is None and result["runs"][1]["seconds"] > 0
   assert result["error"] is None and result["seconds"] > 0 and result["target_seconds"] > 0
   profile = result["profile"]
@@ -154,4 +154,25 @@ def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys, mo
   assert result["model_flops"]["total"] == pytest.approx(
       result["model_flops"]["target"] + result["model_flops"]["draft"])
   assert "target s" in header and "share" in header
-  assert float(row[5]) == pytest.approx(result["seconds"], rel=1e-3, abs=1e-4)   # s/step
+  assert float(row[6]) == pytest.approx(result["seconds"], rel=1e-3, abs=1e-4)   # s/step
+
+
+def test_train_benchmark_scales_over_data_parallel_devices(tmp_path, capsys):
+  # --dp 1,2: the trainer's step over 1 and 2 devices (tests/conftest.py forces 8 CPU devices),
+  # --batch rows on each; per-device rates and the scaling against the first row.
+  import jax
+
+  from benchmarks import bench_train
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  saved, header, (one, two) = run_and_read_table(
+      bench_train, "bench_train (", ["--small", "--repeats", "1", "--warmup", "1", "--dp", "1,2"],
+      tmp_path / "train_dp.json", capsys)
+  runs = saved["results"]["runs"]
+  assert [run["dp"] for run in runs] == [1, 2] and (one[1], two[1]) == ("1", "2")
+  assert all(run["error"] is None for run in runs)
+  for run in runs:
+    assert run["sequence_tokens_per_s"] == pytest.approx(
+        run["dp"] * run["per_device_tokens_per_s"])
+  assert runs[1]["scaling"] == pytest.approx(runs[1]["vs_first"] / 2)
+  assert float(two[9]) > 0 and "scaling" in header                       # seq tok/s
