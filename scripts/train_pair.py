@@ -65,19 +65,16 @@ import os
 import shutil
 import sys
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dspark_jax as dj  # noqa: E402
 from dspark_jax.draft import heads  # noqa: E402
-from dspark_jax.models import draft as dm  # noqa: E402
 from dspark_jax.formats import shipped  # noqa: E402
 from dspark_jax.models import layers  # noqa: E402
 from dspark_jax.models import target as tm  # noqa: E402
@@ -146,11 +143,12 @@ def gamma(tiny: bool) -> int:
   return 3 if tiny else GAMMA
 
 
-def draft_config(tiny: bool, markov: bool, target: tm.TargetConfig) -> dm.DraftConfig:
-  return dm.DraftConfig(gamma=gamma(tiny), num_layers=1, target_layer_ids=target.feature_layers,
-                        mask_token_id=byte_bpe.MASK_ID, head_kind="vanilla",
-                        rank=(16 if tiny else 128) if markov else 1, confidence=True,
-                        confidence_with_markov=markov, dtype=target.dtype)
+def draft_choices(tiny: bool, markov: bool, target: tm.TargetConfig) -> dict:
+  """`train_drafter`'s ``draft_config`` for the drafter (`markov`) or its ablation (no head)."""
+  head = (dict(head_kind="vanilla", rank=16 if tiny else 128, confidence_with_markov=True)
+          if markov else dict(head_kind="none", rank=0, confidence_with_markov=False))
+  return dict(num_layers=1, gamma=gamma(tiny), confidence=True,
+              target_layer_ids=target.feature_layers, mask_token_id=byte_bpe.MASK_ID, **head)
 
 
 # ---- training within a stage's budget -----------------------------------------------------------
@@ -411,10 +409,8 @@ def stage_draft(args, budget, markov: bool):
   write_hf_target(target, hf_dir, path(args, "tokenizer.json"))
   if markov:
     steps, fit = args.draft_steps or (30 if args.tiny else 100_000), budget is not None
-    head = dict(head_kind="vanilla", rank=16 if args.tiny else 128, confidence_with_markov=True)
   else:  # the drafter's horizon and schedule, so that the two differ only in the head
     steps, fit = read_json(args, "draft_log.json")["run"]["horizon"], False
-    head = dict(head_kind="none", rank=0, confidence_with_markov=False)
   options = drafter.TrainOptions(
       steps=steps, batch_size=8 if args.tiny else 32, anchors=8, learning_rate=args.draft_lr,
       warmup_steps=3 if args.tiny else 100, final_lr_fraction=0.1, weight_decay=0.01,
@@ -424,9 +420,7 @@ def stage_draft(args, budget, markov: bool):
   result = drafter.train_drafter(
       hf_dir, draft_rows(args), path(args, name), options=options, progress=False,
       dtype=target.config.dtype,
-      draft_config=dict(num_layers=1, gamma=gamma(args.tiny), confidence=True,
-                        target_layer_ids=target.config.feature_layers,
-                        mask_token_id=byte_bpe.MASK_ID, **head))
+      draft_config=draft_choices(args.tiny, markov, target.config))
   with open(os.path.join(path(args, name), drafter.TRAINING_DIR, "history.json")) as f:
     fitted = json.load(f).get("fitted") or {}
   run = dict(fitted, horizon=result.horizon, steps=result.step, cut=result.step < result.horizon)

@@ -7,8 +7,6 @@ import json
 import os
 import zlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -138,7 +136,8 @@ def test_feature_layers_spread_like_qwen3_and_skip_the_final_layer():
     train_pair.spread_layers(1)
   full = train_pair.target_config(False, 8192)
   assert full.num_layers - 1 not in full.feature_layers
-  assert train_pair.draft_config(False, True, full).target_layer_ids == full.feature_layers
+  for markov in (True, False):
+    assert train_pair.draft_choices(False, markov, full)["target_layer_ids"] == full.feature_layers
 
 
 def test_repetition_flags_loops():
