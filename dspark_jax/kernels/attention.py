@@ -435,46 +435,6 @@ def _limit_mask(limits: jax.Array, slots: int) -> jax.Array:
   return jnp.arange(slots, dtype=jnp.int32)[None, None, :] < limits[:, :, None]
 
 
-_KERNEL_PLAN = contextvars.ContextVar("dspark_jax_kernel_plan", default=None)
-
-
-@contextlib.contextmanager
-def kernels_on(plan):
-  """While tracing inside it, the ragged kernel (`ragged`) runs on each device's KV heads of
-  `plan` (a `models.layout.Plan`), and on its rows over the plan's data axis where they divide,
-  through `jax.shard_map`: jit does not partition a Pallas kernel, and would gather every head's
-  cache onto every device. None, or a plan of one device: no change. The models' forwards enter
-  it with their own plan."""
-  token = _KERNEL_PLAN.set(plan)
-  try:
-    yield
-  finally:
-    _KERNEL_PLAN.reset(token)
-
-
-def ragged(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
-           block_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """`ragged_attention.ragged_attention` (k and v read in q's dtype; with `block_table`, k and v
-  are page pools) -> (out [B, T, N, D], lse [B, T, N]); per device under `kernels_on`."""
-  from dspark_jax.kernels import ragged_attention
-
-  def call(q, k, v, limits, *table):
-    return ragged_attention.ragged_attention(q, k.astype(q.dtype), v.astype(q.dtype), limits,
-                                             block_table=table[0] if table else None)
-  args = (q, k, v, limits) + (() if block_table is None else (block_table,))
-  plan = _KERNEL_PLAN.get()
-  if plan is None or plan.mesh.size == 1:
-    return call(*args)
-  spec = jax.sharding.PartitionSpec
-  dp = plan.dp if plan.dp is not None and q.shape[0] % plan.dp_size == 0 else None
-  cache = spec(None if block_table is not None else dp, plan.tp, None, None)  # pools: all rows
-  in_specs = (spec(dp, None, plan.tp, None), cache, cache, spec(dp, None)) + (
-      () if block_table is None else (spec(dp, None),))
-  return jax.shard_map(call, mesh=plan.mesh, in_specs=in_specs,
-                       out_specs=(spec(dp, None, plan.tp, None), spec(dp, None, plan.tp)),
-                       check_vma=False)(*args)
-
-
 def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
                    implementation: str | None = None) -> jax.Array:
   """[B, T, N, D] queries over head-major [B, K, S, D] keys/values, query (b, t) seeing slots
@@ -491,7 +451,8 @@ def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
   limits = limits.astype(jnp.int32)
   chosen = choose_cached(q, k, implementation)
   if chosen == "ragged":
-    return ragged(q, k, v, limits)[0]
+    from dspark_jax.kernels import ragged_attention
+    return ragged_attention.ragged_attention(q, k.astype(q.dtype), v.astype(q.dtype), limits)[0]
   form = masked_form(chosen, q.shape[1])
   if form is attend_flash:     # walks the cache up to each tile's limits itself
     return attend_flash(q, k, v, limits)
@@ -628,7 +589,10 @@ def attend_cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, prefix_l
   """
   limits = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], q.shape[:2])
   if choose_cached(q, cache_k) == "ragged":
-    prefix = kernel_part(*ragged(q, cache_k, cache_v, limits), cache_k.shape[1])
+    from dspark_jax.kernels import ragged_attention
+    out, lse = ragged_attention.ragged_attention(q, cache_k.astype(q.dtype),
+                                                 cache_v.astype(q.dtype), limits)
+    prefix = kernel_part(out, lse, cache_k.shape[1])
   else:
     prefix = over_cut_cache(limited_part, q, cache_k, cache_v, limits)
   return join_block(q, prefix, block_k, block_v, block_mask, cache_k.dtype)

@@ -84,7 +84,8 @@ def over_pages(fn, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: ja
 
 
 def _kernel(q, k_pool, v_pool, table, limits):
-  return attention.ragged(q, k_pool, v_pool, limits, block_table=table)
+  return ragged_attention.ragged_attention(q, k_pool.astype(q.dtype), v_pool.astype(q.dtype),
+                                           limits, block_table=table)
 
 
 def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,

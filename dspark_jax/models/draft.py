@@ -41,7 +41,6 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.draft import heads
-from dspark_jax.kernels import attention
 from dspark_jax.models import layers
 from dspark_jax.models import layout
 from dspark_jax.models import target as tm
@@ -246,9 +245,8 @@ class DSparkDraft(nnx.Module):
     x = jax.lax.stop_gradient(target.embed(block)).astype(self.config.dtype)
     positions = anchor_pos[:, None] + jnp.arange(gamma)[None, :]
     block_mask = jnp.ones((batch, gamma, gamma), bool)                  # bidirectional
-    with attention.kernels_on(self.plan):           # Pallas kernels per device (a sharded copy)
-      for i, layer in enumerate(self.layers):
-        x, _ = layer(x, positions, lambda k, v, i=i: (source(i, block_mask), None))
+    for i, layer in enumerate(self.layers):
+      x, _ = layer(x, positions, lambda k, v, i=i: (source(i, block_mask), None))
     hidden = self.final_norm(x)
     return _shared_logits(target, hidden), hidden
 

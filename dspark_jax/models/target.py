@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
-from dspark_jax.kernels import attention
 from dspark_jax.models import layers
 from dspark_jax.models import layout
 from dspark_jax.paging import cache as paging
@@ -153,11 +152,10 @@ class TargetModel(nnx.Module):
     mask = positions[:, None, :] <= positions[:, :, None]                # [B, T, T] causal
     x = self.embed(tokens)
     saved = {-1: x}
-    with attention.kernels_on(self.plan):
-      for i, layer in enumerate(self.layers):
-        x, _ = layer(x, positions, lambda k, v: (
-            layers.Full(layers.heads_first(k), layers.heads_first(v), mask), None))
-        saved[i] = x
+    for i, layer in enumerate(self.layers):
+      x, _ = layer(x, positions, lambda k, v: (
+          layers.Full(layers.heads_first(k), layers.heads_first(v), mask), None))
+      saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     return self.logits(self.final_norm(x)), features
 
@@ -210,12 +208,11 @@ class TargetModel(nnx.Module):
     x = self.embed(tokens)
     saved = {-1: x}
     new_k, new_v = [], []
-    with attention.kernels_on(self.plan):           # Pallas kernels per device (a sharded copy)
-      for i, layer in enumerate(self.layers):
-        x, (keys, values) = layer(x, positions, functools.partial(gather_kv, i))
-        new_k.append(keys)
-        new_v.append(values)
-        saved[i] = x
+    for i, layer in enumerate(self.layers):
+      x, (keys, values) = layer(x, positions, functools.partial(gather_kv, i))
+      new_k.append(keys)
+      new_v.append(values)
+      saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
     x = self.final_norm(x)
     return self.logits(x) if head else x, features, (tuple(new_k), tuple(new_v))
