@@ -11,8 +11,8 @@ the blocks' own part.
   never in memory, and a tile reads the key/value blocks up to its own queries' longest limit.
   Kept for the backward pass: q, k, v, the limits, the output (in q's dtype) and the lse; no
   scores.
-* **Backward** (``backward="kernel"``, `backward_kernels`): two Pallas kernels over the ragged
-  kernel's query tiles (one kv head's G query heads at once, so GQA needs no reduction). One per
+* **Backward** (`backward_kernels`): two Pallas kernels over the ragged kernel's query tiles
+  (one kv head's G query heads at once, so GQA needs no reduction). One per
   (row, kv head, query tile) walks the KV blocks up to the tile's longest limit for dQ; one per
   (row, kv head, KV block) walks the query tiles that see any of the block, skipping the others,
   for dK and dV. Each recomputes a tile's probabilities from the kept lse
