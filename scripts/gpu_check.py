@@ -63,6 +63,7 @@ TESTS = (
     "tests/test_compact_logits.py",
     "tests/test_draft_sampler.py",
     "tests/test_attention.py",
+    "tests/test_attention_inputs.py",
     "tests/test_ragged_attention.py",
     "tests/test_shared_attention.py",
     "tests/test_packing.py",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.kernels import attention
+from dspark_jax.kernels import attention_inputs
 from dspark_jax.kernels import paged_attention
 
 
@@ -308,6 +310,27 @@ class Attention(nnx.Module):
     k, v = self._keys_values(k, v, positions)
     return q, k, v
 
+  def project_write(self, x: jax.Array, positions: jax.Array, write: "WriteKV"):
+    """[B, T, E] -> queries [B, T, N, D] (normalised and rotated) and `write`'s
+    ``then(keys, values)`` once this call's keys/values are in `write`'s cache: in one kernel
+    (`kernels.attention_inputs`) where it applies, else `project` and ``write.xla``."""
+    shape = self.shape
+    b, t = x.shape[:2]
+    n, k, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    probe = jax.ShapeDtypeStruct((b * t, (n + 2 * k) * d), self.qkv_proj.dtype or x.dtype)
+    chosen = "xla" if self.column_groups != 1 else attention_inputs.choose(
+        probe, write.keys, heads=n, kv_heads=k, head_dim=d, table=write.table)
+    if chosen == "xla":
+      q, k_new, v_new = self.project(x, positions)
+      return q, write.then(*write.xla(k_new, v_new))
+    inv_freq, factor = rope_frequencies(d, shape.rope_theta, shape.rope_scaling)
+    qkv = self.qkv_proj(x).reshape(b * t, -1)
+    q, keys, values = attention_inputs.attention_inputs(
+        qkv, positions.reshape(-1), write.rows.reshape(-1), self.q_norm.scale[...],
+        self.k_norm.scale[...], inv_freq, write.keys, write.values, heads=n, kv_heads=k,
+        eps=shape.rms_eps, factor=factor, table=write.table, interpret=chosen == "interpret")
+    return q.reshape(b, t, n, d), write.then(keys, values)
+
   def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[B, T, E] -> keys and values [B, T, K, D] (keys normalised and rotated), without the
     queries (the draft's context)."""
@@ -416,6 +439,30 @@ class Full:
   keys: jax.Array
   values: jax.Array
   mask: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteKV:
+  """Where a layer writes this call's keys/values before it attends, for the calls whose
+  attention reads them back from the cache (a decode step, a verify, packed verify tokens), in
+  place of a ``gather_kv`` function.
+
+  `keys` / `values`: this layer's cache, contiguous [B, K, S, D], or page pools
+  [num_pages, K, page_size, D] read through `table` ([B, P] int; None for a contiguous cache);
+  `rows`: the cache row of each token, shaped as the layer's positions (row B or more, or a
+  position or page out of range: nothing written); each token is written at its own position.
+  ``xla(k, v) -> (keys, values)`` writes token-major [B, T, K, D] keys/values in XLA, and
+  ``then(keys, values) -> (source, aux)`` says what the layer attends to once they are written and
+  what it returns (as a ``gather_kv`` function does). The layer writes through
+  `kernels.attention_inputs`, which also normalises and rotates the queries and keys, where that
+  kernel applies (`Attention.project_write`), else through `xla`."""
+
+  keys: jax.Array
+  values: jax.Array
+  rows: jax.Array
+  table: jax.Array | None
+  xla: Callable
+  then: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -549,8 +596,11 @@ class DecoderLayer(nnx.Module):
     `CacheUpTo` or `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
     (e.g. the updated cache)."""
     normed = self.input_norm(x)
-    q, k, v = self.attention.project(normed, positions)
-    source, aux = gather_kv(k, v)
+    if isinstance(gather_kv, WriteKV):
+      q, (source, aux) = self.attention.project_write(normed, positions, gather_kv)
+    else:
+      q, k, v = self.attention.project(normed, positions)
+      source, aux = gather_kv(k, v)
     if isinstance(source, CachePrefix):
       x = x + self.attention.attend_cached(q, source, k, v)
     elif (isinstance(source, CacheUpTo) and (source.fresh or source.start is not None)

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
+from dspark_jax.kernels import attention
 from dspark_jax.models import layers
 from dspark_jax.models import layout
 from dspark_jax.paging import cache as paging
@@ -194,22 +195,44 @@ class TargetModel(nnx.Module):
       rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
       return self._paged(tokens, positions, cache, rows, positions, limits, None, head)
 
-    def gather_kv(i, k, v):
-      keys = layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan)
-      values = layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan)
+    def write(i, k, v):
+      return (layout.constrain_cache(layers.write_heads(cache["k"][i], k, start), self.plan),
+              layout.constrain_cache(layers.write_heads(cache["v"][i], v, start), self.plan))
+
+    def then(keys, values):
       return layers.CacheUpTo(keys, values, limits, bool(fresh), start), (keys, values)
-    logits, features, kv = self._run(tokens, positions, gather_kv, head)
+
+    if self._reads_back(tokens, fresh=fresh):
+      rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
+      source = lambda i: layers.WriteKV(cache["k"][i], cache["v"][i], rows, None,
+                                        functools.partial(write, i), then)
+    else:
+      source = lambda i: lambda k, v: then(*write(i, k, v))
+    logits, features, kv = self._run(tokens, positions, source, head)
     return logits, features, {"k": kv[0], "v": kv[1]}
 
-  def _run(self, tokens: jax.Array, positions: jax.Array, gather_kv, head: bool = True):
-    """The layers over [B, T] `tokens`, layer i attending to ``gather_kv(i, k, v)``'s source ->
-    logits (with ``head=False`` the final-normed hidden states), features and the per-layer caches
-    ``(keys, values)`` (tuples) it returned."""
+  def _reads_back(self, tokens: jax.Array, fresh: bool = False) -> bool:
+    """Whether every layer of a [B, T] call over a cache attends to its own new keys/values
+    through the cache (so that they may be written first, `layers.WriteKV`): not under a sharding
+    plan, and not a prefill whose attention takes this call's keys directly
+    (`kernels.attention.choose_causal`)."""
+    if self.plan is not None:
+      return False
+    shape = self.config.layer
+    probe = jax.ShapeDtypeStruct((*tokens.shape, shape.num_heads, shape.head_dim),
+                                 self.config.dtype)
+    return not (fresh or attention.choose_causal(probe))
+
+  def _run(self, tokens: jax.Array, positions: jax.Array, source, head: bool = True):
+    """The layers over [B, T] `tokens`, layer i attending to ``source(i)`` (a ``gather_kv``
+    function of its keys/values, or a `layers.WriteKV`) -> logits (with ``head=False`` the
+    final-normed hidden states), features and the per-layer caches ``(keys, values)`` (tuples) it
+    returned."""
     x = self.embed(tokens)
     saved = {-1: x}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      x, (keys, values) = layer(x, positions, functools.partial(gather_kv, i))
+      x, (keys, values) = layer(x, positions, source(i))
       new_k.append(keys)
       new_v.append(values)
       saved[i] = x
@@ -224,15 +247,24 @@ class TargetModel(nnx.Module):
       raise ValueError(f"cache: a paged cache of {cache.slots} slots (block table rows) for "
                        f"{tokens.shape[0]} rows of tokens")
 
-    def gather_kv(i, k, v):
-      flat = slots is not None                    # packed: k [1, N, K, D] -> [N, K, D]
-      keys, values = (layout.constrain_pool(paging.write(
+    flat = slots is not None                      # packed: k [1, N, K, D] -> [N, K, D]
+
+    def write(i, k, v):
+      return tuple(layout.constrain_pool(paging.write(
           pool[i], cache.table, rows, write_positions, x[0] if flat else x), self.plan)
           for pool, x in ((cache.k, k), (cache.v, v)))
+
+    def then(keys, values):
       source = layers.PagedUpTo(keys, values, cache.table, limits,
                                 rows if flat else None, slots)
       return source, (keys, values)
-    logits, features, kv = self._run(tokens, positions, gather_kv, head)
+
+    if self.plan is None:       # every caller writes at the positions it attends from
+      source = lambda i: layers.WriteKV(cache.k[i], cache.v[i], rows.reshape(positions.shape),
+                                        cache.table, functools.partial(write, i), then)
+    else:
+      source = lambda i: lambda k, v: then(*write(i, k, v))
+    logits, features, kv = self._run(tokens, positions, source, head)
     return logits, features, dataclasses.replace(cache, k=kv[0], v=kv[1])
 
 
@@ -264,15 +296,20 @@ class TargetModel(nnx.Module):
                                             limits, slots)
       return logits[0], features[0], cache
 
-    def gather_kv(i, k, v):
-      keys = cache["k"][i].at[rows, :, positions].set(k[0].astype(cache["k"][i].dtype),
-                                                      mode="drop")
-      values = cache["v"][i].at[rows, :, positions].set(v[0].astype(cache["v"][i].dtype),
-                                                        mode="drop")
-      keys = layout.constrain_cache(keys, self.plan)
-      values = layout.constrain_cache(values, self.plan)
+    def write(i, k, v):
+      return tuple(layout.constrain_cache(pool[i].at[rows, :, positions].set(
+          x[0].astype(pool[i].dtype), mode="drop"), self.plan)
+          for pool, x in ((cache["k"], k), (cache["v"], v)))
+
+    def then(keys, values):
       return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
-    logits, features, kv = self._run(tokens[None], positions[None], gather_kv)
+
+    if self.plan is None:
+      source = lambda i: layers.WriteKV(cache["k"][i], cache["v"][i], rows[None], None,
+                                        functools.partial(write, i), then)
+    else:
+      source = lambda i: lambda k, v: then(*write(i, k, v))
+    logits, features, kv = self._run(tokens[None], positions[None], source)
     return logits[0], features[0], {"k": kv[0], "v": kv[1]}
 
   def packed_prefill(self, tokens: jax.Array, rows: jax.Array, positions: jax.Array,
@@ -308,7 +345,8 @@ class TargetModel(nnx.Module):
             x[0].astype(pool[i].dtype), mode="drop"), self.plan)
             for pool, x in ((cache["k"], k), (cache["v"], v)))
       return source, kv
-    hidden, features, kv = self._run(tokens[None], positions[None], gather_kv, head=False)
+    hidden, features, kv = self._run(tokens[None], positions[None],
+                                     lambda i: functools.partial(gather_kv, i), head=False)
     cache = (dataclasses.replace(cache, k=kv[0], v=kv[1]) if paged
              else {"k": kv[0], "v": kv[1]})
     return hidden[0], features[0], cache
