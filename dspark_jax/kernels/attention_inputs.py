@@ -201,6 +201,7 @@ def attention_inputs(qkv, positions, rows, q_scale, k_scale, inv_freq, cache_k, 
                  jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
                  jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
       input_output_aliases={first_cache: 1, first_cache + 1: 2},
+      name="attention_inputs",
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
       interpret=interpret,
   )(*inputs)

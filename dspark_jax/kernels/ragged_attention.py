@@ -295,6 +295,7 @@ def _combine(m, l, acc, *, t: int, n: int, dtype, interpret: bool):
                  jax.ShapeDtypeStruct((b, t, n), jnp.float32)],
       compiler_params=_compiler_params(DEFAULT_WARPS, None),
       interpret=interpret,
+      name="ragged_combine",
   )(m, l, acc)
 
 
@@ -376,6 +377,7 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
       out_shape=out_shape,
       compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
+      name="ragged_attention",
   )(limits.astype(jnp.int32), *((block_table.astype(jnp.int32),) if paged else ()), q, k, v)
   if splits == 1:
     return tuple(outs)
