@@ -248,49 +248,47 @@ def _kernel(*refs, rows: int, groups: int, per_tile: int, block_kv: int, splits:
     acc_ref[b, h, split, :, :] = acc
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, groups: int, queries: int):
-  """One (row b, kv head h, tile row p) instance joining the splits' partials m, l
-  [B, K, splits, P] and acc [B, K, splits, P, D] (float32) of that tile row: weights
-  ``exp(m_s - max_s m_s)`` (0 for an empty split), then out = Σ acc_s·w_s / Σ l_s·w_s rounded to
-  out_ref's dtype and lse = max + log Σ l_s·w_s (zeros and -inf where no split saw a slot), stored
-  at the row's (query, head) address; a padding row (p >= T·G) stores nothing. All splits are
-  read at once (indices clipped into range, the rows past `splits` set to m = -inf)."""
-  b, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, rows: int, groups: int):
+  """One (row b, kv head h) instance joining the splits' partials m, l [B, K, splits, P] and acc
+  [B, K, splits, P, D] (float32): weights ``exp(m_s - max_s m_s)`` (0 for an empty split), then
+  out = Σ acc_s·w_s / Σ l_s·w_s rounded to out_ref's dtype, lse = max + log Σ l_s·w_s (zeros and
+  -inf where no split saw a slot), stored at the tile rows' (query, head) addresses as the main
+  kernel stores them with one split."""
+  b, h = pl.program_id(0), pl.program_id(1)
   splits, d = acc_ref.shape[2], acc_ref.shape[4]
-  padded = 1 << max(splits - 1, 0).bit_length()
-  split = jax.lax.broadcasted_iota(jnp.int32, (padded,), 0)
-  real = split < splits
-  index = jnp.minimum(split, splits - 1)
-  scalar = lambda x: jnp.full((padded,), x, jnp.int32)
-  m = jnp.where(real, m_ref[(scalar(b), scalar(h), index, scalar(p))], -jnp.inf)
-  l = l_ref[(scalar(b), scalar(h), index, scalar(p))]
-  tile = lambda x: jnp.broadcast_to(x[:, None], (padded, d))
-  acc = acc_ref[(tile(scalar(b)), tile(scalar(h)), tile(index), tile(scalar(p)),
-                 jax.lax.broadcasted_iota(jnp.int32, (padded, d), 1))]
-  top = jnp.max(m)
+  t_count = out_ref.shape[1]
+  top = jax.lax.fori_loop(1, splits, lambda s, top: jnp.maximum(top, m_ref[b, h, s, :]),
+                          m_ref[b, h, 0, :])
   shift = jnp.where(top == -jnp.inf, 0.0, top)
-  weight = jnp.exp(m - shift)                                   # 0 for an empty or padding split
-  total = jnp.sum(l * weight)
-  summed = jnp.sum(acc * weight[:, None], axis=0)               # [D]
+
+  def join(s, carry):
+    total, summed = carry
+    weight = jnp.exp(m_ref[b, h, s, :] - shift)                 # 0 for an empty split
+    return total + l_ref[b, h, s, :] * weight, summed + acc_ref[b, h, s, :, :] * weight[:, None]
+
+  total, summed = jax.lax.fori_loop(
+      0, splits, join, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32)))
   some = total > 0
   safe = jnp.where(some, total, 1.0)
-  out = jnp.where(some, summed / safe, 0.0).astype(out_ref.dtype)
+  out = jnp.where(some[:, None], summed / safe[:, None], 0.0).astype(out_ref.dtype)
   lse = jnp.where(some, shift + jnp.log(safe), -jnp.inf)
-
-  @pl.when(p < queries * groups)
-  def _store():
-    t, head = p // groups, h * groups + p % groups
-    out_ref[b, t, head, :] = out
-    lse_ref[b, t, head] = lse
+  p = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  source = p % (t_count * groups)      # padding rows hold their real row's values: same stores
+  t = source // groups
+  head = h * groups + source % groups
+  tile = lambda x: jnp.broadcast_to(x[:, None], (rows, d))
+  plgpu.store(out_ref.at[(b, tile(t), tile(head), jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1))],
+              out)
+  plgpu.store(lse_ref.at[b, t, head], lse)
 
 
 def _combine(m, l, acc, *, t: int, n: int, dtype, interpret: bool):
   """The splits' partials -> (out [B, T, N, D] in `dtype`, lse [B, T, N] float32) in one kernel
-  (`_combine_kernel`), grid (B, K, P)."""
+  (`_combine_kernel`), grid (B, K)."""
   b, heads, _, rows, d = acc.shape
   return pl.pallas_call(
-      functools.partial(_combine_kernel, groups=n // heads, queries=t),
-      grid=(b, heads, rows),
+      functools.partial(_combine_kernel, rows=rows, groups=n // heads),
+      grid=(b, heads),
       in_specs=[pl.no_block_spec] * 3,
       out_specs=[pl.no_block_spec] * 2,
       out_shape=[jax.ShapeDtypeStruct((b, t, n, d), dtype),
