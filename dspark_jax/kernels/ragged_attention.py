@@ -23,8 +23,8 @@ Layout and work split:
   ``[i·n_b, (i+1)·n_b) ∩ [0, ceil(L_b / block_kv))`` with ``n_b = ceil(ceil(L_b / block_kv) /
   splits)``, so every split of a row gets an equal share of the row's real blocks whatever S is.
   With one split the kernel normalises and writes out and lse in place; with more, each split
-  writes float32 partials (running max m, sum l, unnormalised output acc) and a second small
-  kernel joins them (`_combine`). A split with nothing to do writes m = -inf, l = 0, acc = 0.
+  writes float32 partials (running max m, sum l, unnormalised output acc) and XLA combines them
+  (`_combine`). A split with nothing to do writes m = -inf, l = 0, acc = 0.
 * The KV loop has a dynamic trip count and loads each block from the whole cache by a computed
   address (`_block_address`): (row b, slot ``j·block_kv``) in a contiguous cache, or, with a
   ``block_table`` (paged KV, `dspark_jax.paging`), page ``block_table[b, j·block_kv // page_size]``
@@ -248,55 +248,19 @@ def _kernel(*refs, rows: int, groups: int, per_tile: int, block_kv: int, splits:
     acc_ref[b, h, split, :, :] = acc
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, rows: int, groups: int):
-  """One (row b, kv head h) instance joining the splits' partials m, l [B, K, splits, P] and acc
-  [B, K, splits, P, D] (float32): weights ``exp(m_s - max_s m_s)`` (0 for an empty split), then
-  out = Σ acc_s·w_s / Σ l_s·w_s rounded to out_ref's dtype, lse = max + log Σ l_s·w_s (zeros and
-  -inf where no split saw a slot), stored at the tile rows' (query, head) addresses as the main
-  kernel stores them with one split."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  splits, d = acc_ref.shape[2], acc_ref.shape[4]
-  t_count = out_ref.shape[1]
-  top = jax.lax.fori_loop(1, splits, lambda s, top: jnp.maximum(top, m_ref[b, h, s, :]),
-                          m_ref[b, h, 0, :])
+def _combine(m, l, acc):
+  """Partials m, l [B, K, splits, P] and acc [B, K, splits, P, D] -> (out [B, K, P, D], lse
+  [B, K, P]) float32; zeros and -inf where no split saw a slot."""
+  top = jnp.max(m, axis=2)
   shift = jnp.where(top == -jnp.inf, 0.0, top)
-
-  def join(s, carry):
-    total, summed = carry
-    weight = jnp.exp(m_ref[b, h, s, :] - shift)                 # 0 for an empty split
-    return total + l_ref[b, h, s, :] * weight, summed + acc_ref[b, h, s, :, :] * weight[:, None]
-
-  total, summed = jax.lax.fori_loop(
-      0, splits, join, (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32)))
+  weight = jnp.exp(m - shift[:, :, None])                    # 0 for an empty split
+  total = jnp.sum(l * weight, axis=2)
+  summed = jnp.sum(acc * weight[..., None], axis=2)
   some = total > 0
   safe = jnp.where(some, total, 1.0)
-  out = jnp.where(some[:, None], summed / safe[:, None], 0.0).astype(out_ref.dtype)
+  out = jnp.where(some[..., None], summed / safe[..., None], 0.0)
   lse = jnp.where(some, shift + jnp.log(safe), -jnp.inf)
-  p = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-  source = p % (t_count * groups)      # padding rows hold their real row's values: same stores
-  t = source // groups
-  head = h * groups + source % groups
-  tile = lambda x: jnp.broadcast_to(x[:, None], (rows, d))
-  plgpu.store(out_ref.at[(b, tile(t), tile(head), jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1))],
-              out)
-  plgpu.store(lse_ref.at[b, t, head], lse)
-
-
-def _combine(m, l, acc, *, t: int, n: int, dtype, interpret: bool):
-  """The splits' partials -> (out [B, T, N, D] in `dtype`, lse [B, T, N] float32) in one kernel
-  (`_combine_kernel`), grid (B, K)."""
-  b, heads, _, rows, d = acc.shape
-  return pl.pallas_call(
-      functools.partial(_combine_kernel, rows=rows, groups=n // heads),
-      grid=(b, heads),
-      in_specs=[pl.no_block_spec] * 3,
-      out_specs=[pl.no_block_spec] * 2,
-      out_shape=[jax.ShapeDtypeStruct((b, t, n, d), dtype),
-                 jax.ShapeDtypeStruct((b, t, n), jnp.float32)],
-      compiler_params=_compiler_params(DEFAULT_WARPS, None),
-      interpret=interpret,
-      name="ragged_combine",
-  )(m, l, acc)
+  return out, lse
 
 
 def _compiler_params(num_warps, num_stages):
@@ -381,4 +345,10 @@ def ragged_attention(q, k, v, limits, *, block_table=None, block_kv=None, splits
   )(limits.astype(jnp.int32), *((block_table.astype(jnp.int32),) if paged else ()), q, k, v)
   if splits == 1:
     return tuple(outs)
-  return tuple(_combine(*outs, t=t, n=n, dtype=q.dtype, interpret=interpret))
+  out, lse = _combine(*outs)
+  # Query row p = t·G + g of kv head k's tile -> query t, head k·G + g.
+  out = out[:, :, :t * groups].reshape(b, heads, t, groups, d)
+  lse = lse[:, :, :t * groups].reshape(b, heads, t, groups)
+  out = jnp.swapaxes(out, 1, 2).reshape(b, t, n, d).astype(q.dtype)
+  lse = jnp.swapaxes(lse, 1, 2).reshape(b, t, n)
+  return out, lse
