@@ -91,6 +91,19 @@ def test_matches_xla_for_every_group_size_and_query_count(groups, t, d, dtype, b
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("largest", [0, 10 ** 6])
+def test_both_ways_of_joining_the_splits_match_xla(monkeypatch, largest):
+  # largest = 0: every split set joined by XLA (`_combine`); else by the kernel (`_combine_rows`),
+  # here with 3 splits (padded to 4 in the kernel), T = 7 and G = 4 (tile rows past T·G).
+  monkeypatch.setattr(ra, "COMBINE_KERNEL_MAX_ROWS", largest)
+  jax.clear_caches()
+  for dtype in (jnp.float32, jnp.bfloat16):
+    rng, q, k, v = _inputs(13, 5, 7, 8, 2, 32, 64, dtype)
+    _check_against_xla(q, k, v, _mixed_limits(rng, 5, 7, 64), block_kv=16, splits=3)
+  jax.clear_caches()
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_default_blocks_and_splits_match_xla(dtype):
   rng, q, k, v = _inputs(7, 4, 8, 8, 2, 32, 128, dtype)
