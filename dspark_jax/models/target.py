@@ -202,26 +202,26 @@ class TargetModel(nnx.Module):
     def then(keys, values):
       return layers.CacheUpTo(keys, values, limits, bool(fresh), start), (keys, values)
 
-    if self._reads_back(tokens, fresh=fresh):
-      rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
-      source = lambda i: layers.WriteKV(cache["k"][i], cache["v"][i], rows, None,
-                                        functools.partial(write, i), then)
-    else:
-      source = lambda i: lambda k, v: then(*write(i, k, v))
-    logits, features, kv = self._run(tokens, positions, source, head)
-    return logits, features, {"k": kv[0], "v": kv[1]}
-
-  def _reads_back(self, tokens: jax.Array, fresh: bool = False) -> bool:
-    """Whether every layer of a [B, T] call over a cache attends to its own new keys/values
-    through the cache (so that they may be written first, `layers.WriteKV`): not under a sharding
-    plan, and not a prefill whose attention takes this call's keys directly
-    (`kernels.attention.choose_causal`)."""
-    if self.plan is not None:
-      return False
     shape = self.config.layer
     probe = jax.ShapeDtypeStruct((*tokens.shape, shape.num_heads, shape.head_dim),
                                  self.config.dtype)
-    return not (fresh or attention.choose_causal(probe))
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
+    # A prefill whose attention takes this call's keys directly needs them as they are.
+    source = self._sources(cache["k"], cache["v"], rows, None, write, then,
+                           direct=fresh or bool(attention.choose_causal(probe)))
+    logits, features, kv = self._run(tokens, positions, source, head)
+    return logits, features, {"k": kv[0], "v": kv[1]}
+
+  def _sources(self, keys, values, rows, table, write, then, direct: bool = False):
+    """``source(i)`` for `_run`: a `layers.WriteKV` for layer i (its cache ``keys[i]`` /
+    ``values[i]``, token rows `rows` shaped as the layer's positions, `table` or None; the XLA
+    write ``write(i, k, v)`` and ``then(keys, values)``), so that the layer writes its keys first,
+    through a kernel where one applies; or, under a sharding plan or where `direct`, the
+    ``gather_kv`` function ``then(*write(i, k, v))`` of the keys themselves."""
+    if direct or self.plan is not None:
+      return lambda i: lambda k, v: then(*write(i, k, v))
+    return lambda i: layers.WriteKV(keys[i], values[i], rows, table,
+                                    functools.partial(write, i), then)
 
   def _run(self, tokens: jax.Array, positions: jax.Array, source, head: bool = True):
     """The layers over [B, T] `tokens`, layer i attending to ``source(i)`` (a ``gather_kv``
@@ -259,11 +259,9 @@ class TargetModel(nnx.Module):
                                 rows if flat else None, slots)
       return source, (keys, values)
 
-    if self.plan is None:       # every caller writes at the positions it attends from
-      source = lambda i: layers.WriteKV(cache.k[i], cache.v[i], rows.reshape(positions.shape),
-                                        cache.table, functools.partial(write, i), then)
-    else:
-      source = lambda i: lambda k, v: then(*write(i, k, v))
+    # Every caller writes at the positions it attends from (`write_positions` = `positions`).
+    source = self._sources(cache.k, cache.v, rows.reshape(positions.shape), cache.table, write,
+                           then)
     logits, features, kv = self._run(tokens, positions, source, head)
     return logits, features, dataclasses.replace(cache, k=kv[0], v=kv[1])
 
@@ -304,11 +302,7 @@ class TargetModel(nnx.Module):
     def then(keys, values):
       return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
 
-    if self.plan is None:
-      source = lambda i: layers.WriteKV(cache["k"][i], cache["v"][i], rows[None], None,
-                                        functools.partial(write, i), then)
-    else:
-      source = lambda i: lambda k, v: then(*write(i, k, v))
+    source = self._sources(cache["k"], cache["v"], rows[None], None, write, then)
     logits, features, kv = self._run(tokens[None], positions[None], source)
     return logits[0], features[0], {"k": kv[0], "v": kv[1]}
 
