@@ -22,9 +22,9 @@ instance per (token, key/value head):
   `paging.cache.physical` addresses it. A token whose row, position or page is out of range writes
   nothing.
 
-`prepare_xla` is the same function in XLA (the reference the tests hold the kernel to, and the
-form wherever `precondition` fails). Values equal XLA's within bf16 rounding: the mean of squares
-is summed in another order, and cos/sin are the GPU's own.
+Wherever `precondition` fails, the model computes the same in XLA (`models.layers.Attention.project`
+and its cache writes, `models.layers.WriteKV`). Values equal XLA's within bf16 rounding: the mean
+of squares is summed in another order, and cos/sin are the GPU's own.
 """
 
 from __future__ import annotations
@@ -205,41 +205,6 @@ def attention_inputs(qkv, positions, rows, q_scale, k_scale, inv_freq, cache_k, 
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
       interpret=interpret,
   )(*inputs)
-
-
-def prepare_xla(qkv, positions, rows, q_scale, k_scale, inv_freq, cache_k, cache_v, *,
-                heads: int, kv_heads: int, eps: float, factor: float = 1.0, table=None):
-  """`attention_inputs` in XLA (same arguments and results): the reference, written as
-  `flax.nnx.RMSNorm` and `models.layers.rope` compute it."""
-  d = cache_k.shape[3]
-  m = qkv.shape[0]
-  dtype = qkv.dtype
-
-  def norm(x, scale):
-    x32 = x.astype(jnp.float32)
-    mul = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * (mul * scale.astype(jnp.float32))).astype(dtype)
-
-  def rotate(x):
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)   # [M, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    if factor != 1.0:
-      cos, sin = cos * factor, sin * factor
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype)
-
-  q = rotate(norm(qkv[:, :heads * d].reshape(m, heads, d), q_scale))
-  k = rotate(norm(qkv[:, heads * d:(heads + kv_heads) * d].reshape(m, kv_heads, d), k_scale))
-  v = qkv[:, (heads + kv_heads) * d:].reshape(m, kv_heads, d)
-  if table is not None:
-    from dspark_jax.paging import cache as paging
-    return (q, paging.write(cache_k, table, rows, positions, k),
-            paging.write(cache_v, table, rows, positions, v))
-  b, _, s, _ = cache_k.shape
-  ok = (rows >= 0) & (rows < b) & (positions >= 0) & (positions < s)
-  row = jnp.where(ok, rows, b)                                  # out of range: dropped
-  write = lambda cache, x: cache.at[row, :, positions].set(x.astype(cache.dtype), mode="drop")
-  return q, write(cache_k, k), write(cache_v, v)
 
 
 ENV_VAR = "DSPARK_JAX_ATTENTION_INPUTS"
