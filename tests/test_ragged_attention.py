@@ -91,6 +91,57 @@ def test_matches_xla_for_every_group_size_and_query_count(groups, t, d, dtype, b
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("largest", [0, 10 ** 6])
+def test_both_ways_of_joining_the_splits_match_xla(monkeypatch, largest):
+  # largest = 0: every split set joined by XLA (`_combine`); else by the kernel (`_combine_rows`),
+  # here with 3 splits (padded to 4 in the kernel), T = 7 and G = 4 (tile rows past T·G).
+  monkeypatch.setattr(ra, "COMBINE_KERNEL_MAX_ROWS", largest)
+  jax.clear_caches()
+  for dtype in (jnp.float32, jnp.bfloat16):
+    rng, q, k, v = _inputs(13, 5, 7, 8, 2, 32, 64, dtype)
+    _check_against_xla(q, k, v, _mixed_limits(rng, 5, 7, 64), block_kv=16, splits=3)
+  jax.clear_caches()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("paged,splits,largest", [(False, 1, 32), (False, 2, 0), (False, 2, 32),
+                                                  (True, 1, 32), (True, 3, 32)])
+def test_packed_queries_equal_the_same_queries_laid_out_per_row(monkeypatch, paged, splits,
+                                                                 largest):
+  """Queries packed token after token (each row's first few slots, a padding token at the end),
+  read and written in place through `tokens`: the dense call's rows for every named token."""
+  monkeypatch.setattr(ra, "COMBINE_KERNEL_MAX_ROWS", largest)
+  jax.clear_caches()
+  b, t, n, heads, d, slots = 4, 4, 8, 2, 32, 64
+  rng, q, k, v = _inputs(17, b, t, n, heads, d, slots, jnp.bfloat16)
+  counts = np.array([2, 0, 4, 1])
+  rows = np.concatenate([np.repeat(np.arange(b), counts), [b]])          # the last: padding
+  cols = np.concatenate([np.concatenate([np.arange(c) for c in counts]), [0]])
+  start = rng.integers(0, slots - t, b)
+  limits = np.where(np.arange(t)[None] < counts[:, None], start[:, None] + np.arange(t) + 1, 0)
+  limits = jnp.asarray(limits, jnp.int32)
+  tokens = np.full((b, t), len(rows), np.int32)
+  tokens[rows[:-1], cols[:-1]] = np.arange(len(rows) - 1)
+  packed_q = q[rows.clip(0, b - 1), cols]                                  # [N', N, D]
+  kw = dict(block_kv=16, splits=splits, interpret=INTERPRET)
+  if paged:   # row r's logical page j is pool page perm[r * 4 + j]; pages of 16 slots
+    perm = rng.permutation(b * slots // 16)
+    pool = lambda x: x.reshape(b, heads, slots // 16, 16, d).transpose(0, 2, 1, 3, 4).reshape(
+        -1, heads, 16, d)[np.argsort(perm)]
+    k, v = pool(k), pool(v)
+    kw["block_table"] = jnp.asarray(perm.reshape(b, -1), jnp.int32)
+  want_out, want_lse = ra.ragged_attention(q, k, v, limits, **kw)
+  out, lse = ra.ragged_attention(packed_q, k, v, limits, tokens=jnp.asarray(tokens), **kw)
+  assert out.shape == (len(rows), n, d) and lse.shape == (len(rows), n)
+  named = slice(0, len(rows) - 1)
+  np.testing.assert_array_equal(np.asarray(out[named]), np.asarray(want_out[rows[named],
+                                                                           cols[named]]))
+  np.testing.assert_array_equal(np.asarray(lse[named]), np.asarray(want_lse[rows[named],
+                                                                           cols[named]]))
+  jax.clear_caches()
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_default_blocks_and_splits_match_xla(dtype):
   rng, q, k, v = _inputs(7, 4, 8, 8, 2, 32, 128, dtype)

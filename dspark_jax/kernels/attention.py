@@ -459,6 +459,22 @@ def attend_limited(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
   return over_cut_cache(form, q, k, v, limits)
 
 
+def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, limits: jax.Array,
+                  tokens: jax.Array, implementation: str | None = None) -> jax.Array | None:
+  """Packed queries [N', N, D] over head-major [B, K, S, D] keys/values, query (b, t) being token
+  ``tokens[b, t]`` ([B, T] int; outside 0..N'-1: none) and seeing slots ``s < limits[b, t]``
+  -> [N', N, D] through the ``ragged`` kernel, which reads and writes the packed tokens where they
+  lie (no [B, T] layout of the queries is built); None where `choose_cached` does not take the
+  kernel (the caller then lays the queries out per row and calls `attend_limited`). A token that
+  no (b, t) names gets unspecified values."""
+  dense = jax.ShapeDtypeStruct((*limits.shape, *q.shape[1:]), q.dtype)
+  if choose_cached(dense, k, implementation) != "ragged":
+    return None
+  from dspark_jax.kernels import ragged_attention
+  return ragged_attention.ragged_attention(q, k.astype(q.dtype), v.astype(q.dtype),
+                                           limits.astype(jnp.int32), tokens=tokens)[0]
+
+
 FLASH_MIN_QUERIES = 64
 """Queries per row from which the einsum form runs as `attend_flash` (a prefill chunk) rather than
 over a cut cache: with more, the [B, N, T, S] scores of the cut form would dominate memory."""

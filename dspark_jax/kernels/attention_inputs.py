@@ -97,7 +97,7 @@ def _kernel(*refs, groups: int, heads: int, kv_heads: int, eps: float, factor: f
             paged: bool):
   """One (token m, kv head h) instance: the token's G query heads of kv head h, its key and its
   value. Inputs (whole, indexed here): positions_ref, rows_ref [M] int32, with `paged` table_ref
-  [B, P] int32, then qkv_ref [M, (N + 2K)·D], q_scale_ref, k_scale_ref [D] float32, freq_ref
+  [B, P] int32, then qkv_ref [M, (N + 2K)·D], q_scale_ref, k_scale_ref [D] (any float), freq_ref
   [D/2] float32, and the caches (aliased to the outputs, never read). Outputs: q_ref [M, N, D],
   k_out_ref, v_out_ref (the caches, written at the token's entry only)."""
   positions_ref, rows_ref, *refs = refs
@@ -126,8 +126,10 @@ def _kernel(*refs, groups: int, heads: int, kv_heads: int, eps: float, factor: f
 
   def norm_rope(natural, paired, scale_ref, dtype):
     mul = jax.lax.rsqrt(jnp.mean(natural * natural, axis=1) + eps)[:, None]
-    normed = (natural * (mul * scale_ref[cols][None, :])).astype(dtype).astype(jnp.float32)
-    normed_pair = (paired * (mul * scale_ref[partner][None, :])).astype(dtype).astype(jnp.float32)
+    scale = scale_ref[cols].astype(jnp.float32)[None, :]
+    scale_pair = scale_ref[partner].astype(jnp.float32)[None, :]
+    normed = (natural * (mul * scale)).astype(dtype).astype(jnp.float32)
+    normed_pair = (paired * (mul * scale_pair)).astype(dtype).astype(jnp.float32)
     return (normed * cos[None, :] + sign[None, :] * normed_pair * sin[None, :]).astype(dtype)
 
   q = norm_rope(*rows(h * groups * d, groups), q_scale_ref, q_ref.dtype)       # [G, D]
@@ -190,8 +192,7 @@ def attention_inputs(qkv, positions, rows, q_scale, k_scale, inv_freq, cache_k, 
   if paged:
     inputs.append(table.astype(jnp.int32))
   first_cache = len(inputs) + 4
-  inputs += [qkv, q_scale.astype(jnp.float32), k_scale.astype(jnp.float32),
-             inv_freq.astype(jnp.float32), cache_k, cache_v]
+  inputs += [qkv, q_scale, k_scale, inv_freq.astype(jnp.float32), cache_k, cache_v]
   return pl.pallas_call(
       kernel,
       grid=(m, kv_heads),

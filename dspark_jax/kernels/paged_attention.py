@@ -110,6 +110,21 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.
   return over_pages(attention.masked_form(chosen, q.shape[1]), q, k_pool, v_pool, table, limits)
 
 
+def attend_packed_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
+                        limits: jax.Array, tokens: jax.Array,
+                        implementation: str | None = None) -> jax.Array | None:
+  """`attention.attend_packed` over page pools read through `table`: packed queries [N', N, D],
+  query (b, t) being token ``tokens[b, t]``, through the ``ragged`` kernel -> [N', N, D]; None
+  where `choose_paged` does not take it."""
+  dense = jax.ShapeDtypeStruct((*limits.shape, *q.shape[1:]), q.dtype)
+  if choose_paged(dense, k_pool, table, implementation) != "ragged":
+    return None
+  limits = limits.astype(jnp.int32)
+  paged_cache.check_table(table, k_pool.shape[0], jnp.max(limits, axis=1), k_pool.shape[2])
+  return ragged_attention.ragged_attention(q, k_pool.astype(q.dtype), v_pool.astype(q.dtype),
+                                           limits, block_table=table, tokens=tokens)[0]
+
+
 def attend_cached_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
                         prefix_len: jax.Array, block_k: jax.Array, block_v: jax.Array,
                         block_mask: jax.Array) -> jax.Array:

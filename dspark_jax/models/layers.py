@@ -380,8 +380,13 @@ class Attention(nnx.Module):
     return self.o_proj(out.reshape(b, t, n * d))
 
   def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
-    """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): laid out per row as
+    """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): in place through the
+    ragged kernel where it applies (`kernels.attention.attend_packed`), else laid out per row as
     [B, width] queries, attended as `attend_limited`, and gathered back."""
+    _, n, heads, d = q.shape
+    out = attention.attend_packed(q[0], source.keys, source.values, source.limits, source.tokens)
+    if out is not None:
+      return self.o_proj(out.reshape(1, n, heads * d))
     attend = lambda dense: attention.attend_limited(dense, source.keys, source.values,
                                                     source.limits)
     return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
@@ -402,6 +407,11 @@ class Attention(nnx.Module):
     if source.rows is None:
       b, t, n, d = q.shape
       return self.o_proj(attend(q).reshape(b, t, n * d))
+    _, n, heads, d = q.shape
+    out = paged_attention.attend_packed_paged(q[0], source.keys, source.values, source.table,
+                                              source.limits, source.tokens)
+    if out is not None:
+      return self.o_proj(out.reshape(1, n, heads * d))
     return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
 
   def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
@@ -498,13 +508,23 @@ class Segments:
 class PackedCache:
   """What packed tokens attend to (`TargetModel.packed`): token i, of row ``rows[i]`` (B: none)
   and slot ``slots[i]``, attends like slot ``slots[i]`` of a `CacheUpTo` with [B, width]
-  `limits` over head-major [B, K, S, D] `keys` / `values`."""
+  `limits` over head-major [B, K, S, D] `keys` / `values`; `tokens` [B, width] is the inverse
+  map, the token at (b, t) (N where none: `packed_tokens`)."""
 
   keys: jax.Array
   values: jax.Array
   limits: jax.Array
   rows: jax.Array
   slots: jax.Array
+  tokens: jax.Array
+
+
+def packed_tokens(rows: jax.Array, slots: jax.Array, shape) -> jax.Array:
+  """[B, width] = `shape` int32: the packed token at (row b, slot t), N where none (N tokens
+  ``rows[i]``, ``slots[i]``; row B or more drops a token)."""
+  n = rows.shape[0]
+  return jnp.full(shape, n, jnp.int32).at[rows, slots].set(jnp.arange(n, dtype=jnp.int32),
+                                                           mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,8 +532,8 @@ class PagedUpTo:
   """What a layer attends to in a paged cache (`dspark_jax.paging.cache`): page pools
   [num_pages, K, page_size, D] `keys` / `values` read through the block table [B, M] `table`,
   query (b, t) seeing logical positions ``p < limits[b, t]`` ([B, T] int), as `CacheUpTo`. With
-  `rows` and `slots` ([N] int), the queries are packed tokens laid out per row as `PackedCache`'s
-  ([B, width] `limits`)."""
+  `rows`, `slots` ([N] int) and `tokens` ([B, width]), the queries are packed tokens as
+  `PackedCache`'s ([B, width] `limits`)."""
 
   keys: jax.Array
   values: jax.Array
@@ -521,6 +541,7 @@ class PagedUpTo:
   limits: jax.Array
   rows: jax.Array | None = None
   slots: jax.Array | None = None
+  tokens: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,9 +254,11 @@ class TargetModel(nnx.Module):
           pool[i], cache.table, rows, write_positions, x[0] if flat else x), self.plan)
           for pool, x in ((cache.k, k), (cache.v, v)))
 
+    index = layers.packed_tokens(rows, slots, limits.shape) if flat else None
+
     def then(keys, values):
       source = layers.PagedUpTo(keys, values, cache.table, limits,
-                                rows if flat else None, slots)
+                                rows if flat else None, slots, index)
       return source, (keys, values)
 
     # Every caller writes at the positions it attends from (`write_positions` = `positions`).
@@ -299,8 +301,10 @@ class TargetModel(nnx.Module):
           x[0].astype(pool[i].dtype), mode="drop"), self.plan)
           for pool, x in ((cache["k"], k), (cache["v"], v)))
 
+    index = layers.packed_tokens(rows, slots, limits.shape)
+
     def then(keys, values):
-      return layers.PackedCache(keys, values, limits, rows, slots), (keys, values)
+      return layers.PackedCache(keys, values, limits, rows, slots, index), (keys, values)
 
     source = self._sources(cache["k"], cache["v"], rows[None], None, write, then)
     logits, features, kv = self._run(tokens[None], positions[None], source)
