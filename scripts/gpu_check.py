@@ -214,10 +214,12 @@ def steps(args, out: str) -> list[Step]:
     prefill_args = ["--batches", "16", "--lengths", "4096", "--chunks", "whole,1024",
                     "--repeats", "3"]
   scale = 6 if smoke else 1  # the CPU runs kernels in the interpreter
+  workers = "2" if smoke else str(max(2, min(6, (os.cpu_count() or 2) // 2)))
   return [
       Step("device", [py, "-c", probe], 60, _check_device(smoke), platform),
-      # addopts replaced: the GPU machine has no nbmake (notebooks run in CI, on the CPU).
-      Step("tests", [py, "-m", "pytest", "-o", "addopts=-ra", "-n", "2", "-q", "-x", "-p",
+      # addopts replaced: the GPU machine has no nbmake (notebooks run in CI, on the CPU). The
+      # step is bound by compiling, so the GPU host's cores share it (memory is not preallocated).
+      Step("tests", [py, "-m", "pytest", "-o", "addopts=-ra", "-n", workers, "-q", "-x", "-p",
                      "no:cacheprovider", *TESTS, "-m", "not slow" if smoke else TEST_MARKS],
            330 * scale, _check_tests, dict(platform, **test_env)),
       Step("demo", cli + ["demo", *demo_args], 60 * scale, _check_demo, platform),
