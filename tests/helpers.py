@@ -126,3 +126,37 @@ def assert_blocks_agree(ref, other, *, what="block"):
   rows = tokens_a.shape[0]
   assert 2 * whole_rows >= rows, (
       f"{what}: only {whole_rows} of {rows} rows drafted the same tokens through the whole block")
+
+
+def tiny_target_calls(dtype=None, seed=3):
+  """A tiny target (2 layers, E = 64, 4 query / 2 kv heads of 16), a contiguous cache of 3 rows ×
+  32 slots of random context, the same as a paged cache (`paging.cache.PagedKV`: pages of 8,
+  row r's logical page j at physical page perm[r·4 + j] of a shuffled pool), and two calls
+  (tokens [3, T], positions): a decode step (T = 1) and a verify block (T = 4).
+
+  Returns ``(target, contiguous, paged, calls, rng)``."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from dspark_jax.models import layers
+  from dspark_jax.models import target as tm
+  from dspark_jax.paging import cache as paging
+  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128)
+  extra = {} if dtype is None else {"dtype": dtype}
+  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
+                                          feature_layers=(-1, 1), **extra), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(seed)
+  b, slots, page_size = 3, 32, 8
+  cache = tm.init_cache(target.config, b, slots)
+  cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), cache)
+  perm = rng.permutation(b * slots // page_size)
+  pool = lambda x: x.reshape(b, 2, slots // page_size, page_size, 16).transpose(
+      0, 2, 1, 3, 4).reshape(-1, 2, page_size, 16)[np.argsort(perm)]
+  paged = paging.PagedKV(tuple(map(pool, cache["k"])), tuple(map(pool, cache["v"])),
+                         jnp.asarray(perm.reshape(b, -1), jnp.int32))
+  calls = []
+  for t, start in ((1, [3, 17, 0]), (4, [9, 2, 28])):
+    tokens = jnp.asarray(rng.integers(0, 32, (b, t)), jnp.int32)
+    calls.append((tokens, jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)))
+  return target, cache, paged, calls, rng

@@ -15,7 +15,7 @@ from flax import nnx
 
 from dspark_jax.kernels import attention_inputs as ai
 from dspark_jax.models import layers
-from dspark_jax.models import target as tm
+from tests import helpers
 
 pytestmark = pytest.mark.kernel
 INTERPRET = jax.default_backend() != "gpu"
@@ -166,25 +166,8 @@ def test_choose_takes_the_kernel_on_gpus_and_names_a_failed_precondition(monkeyp
 def test_a_target_through_the_kernel_equals_the_xla_writes(monkeypatch, paged):
   """A decode step and a verify block of a tiny target over a cache of random context, through
   XLA and with the kernel forced: the same logits, features and caches."""
-  from dspark_jax.paging import cache as paging
-  shape = layers.LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=128)
-  target = tm.TargetModel(tm.TargetConfig(vocab_size=32, num_layers=2, layer=shape,
-                                          feature_layers=(-1, 1)), rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(3)
-  b, slots, page_size = 3, 32, 8
-  cache = tm.init_cache(target.config, b, slots)
-  cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), cache)
-  if paged:   # row r's logical page j is physical page perm[r * 4 + j] of a shuffled pool
-    perm = rng.permutation(b * slots // page_size)
-    pool = lambda x: x.reshape(b, 2, slots // page_size, page_size, 16).transpose(
-        0, 2, 1, 3, 4).reshape(-1, 2, page_size, 16)[np.argsort(perm)]
-    cache = paging.PagedKV(tuple(map(pool, cache["k"])), tuple(map(pool, cache["v"])),
-                           jnp.asarray(perm.reshape(b, -1), jnp.int32))
-  calls = []
-  for t, start in ((1, [3, 17, 0]), (4, [9, 2, 28])):
-    tokens = jnp.asarray(rng.integers(0, 32, (b, t)), jnp.int32)
-    calls.append((tokens, jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)))
+  target, cache, paged_cache, calls, _ = helpers.tiny_target_calls()
+  cache = paged_cache if paged else cache
   outs = {}
   for implementation in ("xla", "pallas"):
     monkeypatch.setenv(ai.ENV_VAR, implementation)

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from dspark_jax.kernels import dispatch
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 NUM_WARPS = 1
@@ -209,7 +210,6 @@ def attention_inputs(qkv, positions, rows, q_scale, k_scale, inv_freq, cache_k, 
 
 
 ENV_VAR = "DSPARK_JAX_ATTENTION_INPUTS"
-CHOICES = ("auto", "xla", "pallas")
 
 
 def choose(qkv, cache_k, *, heads: int, kv_heads: int, head_dim: int, table=None,
@@ -225,17 +225,7 @@ def choose(qkv, cache_k, *, heads: int, kv_heads: int, head_dim: int, table=None
   Raises:
     ValueError: an unknown implementation, or ``pallas`` where the precondition fails.
   """
-  requested = implementation or os.environ.get(ENV_VAR, "auto") or "auto"
-  if requested not in CHOICES:
-    raise ValueError(f"attention inputs implementation: expected one of {CHOICES}, got "
-                     f"{requested!r} (from {'the argument' if implementation else ENV_VAR})")
-  if requested == "xla":
-    return "xla"
-  failed = precondition(qkv, cache_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        table=table)
-  if requested == "pallas" and failed:
-    raise ValueError(f"attention inputs implementation 'pallas': precondition failed: {failed}")
-  platform = platform or jax.default_backend()
-  if failed or (requested == "auto" and platform != "gpu"):
-    return "xla"
-  return "pallas" if platform == "gpu" else "interpret"
+  return dispatch.choose_layer_kernel(
+      "attention inputs", ENV_VAR, implementation,
+      lambda: precondition(qkv, cache_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                           table=table), platform=platform)

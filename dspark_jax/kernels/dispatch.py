@@ -17,6 +17,10 @@ interpreter (slowly: for tests), and only when asked for explicitly.
 
 The returned `Choice` is static and hashable: the compiled programs take it as a static argument,
 and `DraftBlock.backend` and `DraftSampler.backends` record which backend ran and why.
+
+`choose_layer_kernel` is the same rule for the models' one-kernel replacements of a few XLA
+operations (`attention_inputs`, `residual_norm`): ``auto``, ``xla`` or ``pallas`` from the
+argument or an environment variable.
 """
 
 from __future__ import annotations
@@ -400,3 +404,35 @@ def table() -> str:
     lines.append(f"{backend.value} preconditions:")
     lines.extend(f"  - {name}" for name, _ in PRECONDITIONS[backend])
   return "\n".join(lines)
+
+
+LAYER_KERNEL_CHOICES = ("auto", "xla", "pallas")
+
+
+def choose_layer_kernel(what: str, env_var: str, implementation: str | None,
+                        failed: Callable[[], str | None], *, auto: bool = True,
+                        platform: str | None = None) -> str:
+  """``"pallas"`` (the kernel, compiled), ``"interpret"`` (in Pallas' interpreter) or ``"xla"``.
+
+  The request is `implementation`, else ``$env_var``, else ``auto``: one of
+  `LAYER_KERNEL_CHOICES`. ``auto`` takes the compiled kernel on a GPU where ``failed()`` (the
+  kernel's first failed precondition, in words, or None) is None and `auto` (the caller's own
+  condition, e.g. a size limit) holds, else ``xla``. ``pallas`` takes the kernel wherever the
+  precondition holds, in the interpreter off the GPU (slowly: for tests).
+
+  Raises:
+    ValueError: an unknown request, or ``pallas`` where the precondition fails (naming `what`).
+  """
+  requested = implementation or os.environ.get(env_var, "auto") or "auto"
+  if requested not in LAYER_KERNEL_CHOICES:
+    raise ValueError(f"{what} implementation: expected one of {LAYER_KERNEL_CHOICES}, got "
+                     f"{requested!r} (from {'the argument' if implementation else env_var})")
+  if requested == "xla":
+    return "xla"
+  reason = failed()
+  if requested == "pallas" and reason:
+    raise ValueError(f"{what} implementation 'pallas': precondition failed: {reason}")
+  platform = platform or jax.default_backend()
+  if reason or (requested == "auto" and (platform != "gpu" or not auto)):
+    return "xla"
+  return "pallas" if platform == "gpu" else "interpret"
