@@ -128,7 +128,7 @@ class OpCost:
   label: str
   bytes: float
   flops: float
-  gemm: bool = False  # a product without batch dimensions (a projection, not attention's)
+  gemm: bool = False  # a projection: a product without batch dimensions, or split-K slices
 
 
 def _closing(text: str, start: int) -> int:
@@ -195,6 +195,12 @@ def _dims(shape: str) -> list[int]:
 def _short(shape: str) -> str:
   found = SHAPE.findall(shape)
   return (f"{found[0][0]}[{found[0][1]}]" + ("…" if len(found) > 1 else "")) if found else shape
+
+
+def _split_k(attrs: str) -> int:
+  """The ``split_k`` of a Triton GEMM fusion's backend config (1 where it has none)."""
+  found = re.search(r'"split_k":"?(\d+)', attrs)
+  return int(found.group(1)) if found else 1
 
 
 def _dot_flops(instr: Instruction, everything: dict) -> tuple[float, int, bool]:
@@ -277,6 +283,8 @@ def hlo_costs(text: str) -> dict[str, OpCost]:
       moved = sum(read(body, p) for p in body.values() if p.opcode == "parameter")
       moved += sum(written(body, i) for i in body.values() if i.root)
       f, k, gemm = flops(body)
+      # XLA's split-K gives a projection's dot a batch dimension of K's slices: still a GEMM.
+      gemm = gemm or (f > 0 and _split_k(instr.attrs) > 1)
     elif instr.opcode in SLICES or instr.opcode == "copy":
       moved, f, k, gemm = 2 * shape_bytes(instr.shape), 0.0, 0, False
     elif instr.opcode == "dynamic-update-slice":

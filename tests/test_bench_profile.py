@@ -47,6 +47,32 @@ def test_hlo_costs_count_slices_and_in_place_updates():
   assert bp.module_name(FUSED_SLICE) == "jit_f"
 
 
+SPLIT_K = """HloModule jit_g, is_scheduled=true
+
+%gemm_computation (p0: bf16[8,1,512], p1: bf16[8,512,2560]) -> f32[8,1,2560] {
+  %p0 = bf16[8,1,512]{2,1,0} parameter(0)
+  %p1 = bf16[8,512,2560]{2,1,0} parameter(1)
+  ROOT %d = f32[8,1,2560]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (a: bf16[8,1,512], w: bf16[8,512,2560]) -> f32[8,1,2560] {
+  %a = bf16[8,1,512]{2,1,0} parameter(0)
+  %w = bf16[8,512,2560]{2,1,0} parameter(1)
+  ROOT %gemm_fusion_dot.7 = f32[8,1,2560]{2,1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"16","block_n":"64","block_k":"128","split_k":"SPLIT","num_stages":"4","num_warps":"4","num_ctas":"1"}}}
+}
+"""
+
+
+def test_a_split_k_projection_counts_as_a_gemm_and_a_batched_dot_does_not():
+  """XLA's split-K turns a projection [1, 4096] @ [4096, 2560] into a dot batched over 8 slices of
+  K; the profile's GEMM total must still hold it. The same fusion without a split (a batched
+  product, e.g. attention's) is not a GEMM."""
+  split = bp.hlo_costs(SPLIT_K.replace("SPLIT", "8"))["gemm_fusion_dot.7"]
+  assert split.gemm and split.flops == 2.0 * 8 * 2560 * 512
+  assert split.label == "gemm_fusion_dot f32[8,1,2560] K=512"
+  assert not bp.hlo_costs(SPLIT_K.replace("SPLIT", "1"))["gemm_fusion_dot.7"].gemm
+
+
 def test_a_traced_loop_reduces_per_call_and_iteration(tmp_path):
   """Two calls of a 3-iteration loop of one [8, 64] @ [64, 32] product: the trace (the host XLA
   ops on a CPU) splits by the annotations; the product's group runs once an iteration, with its
