@@ -57,10 +57,9 @@ Each measurement runs once untimed first (warm-up: the programs compile; the que
 excludes compilation) and then ``--repeats`` times; the table shows the median repeat (by
 tokens/s). In the throughput study the warm-up is c prompts with outputs cut to 2 ·
 ``--rounds-per-call`` · (γ + 1) tokens (the chunk program and the first refill compile), then,
-with ``--refill-rows``, one short refill of each packed size the run can meet (`refill_groups`),
-so that every refill program has run once before the clock starts (a first run loads kernels and
-captures command buffers); without it, refills of other sizes compile when first met, outside
-the clock. ``--budget-s`` bounds the study: past it no new cell starts.
+with ``--refill-rows``, `dj.Engine.warm_up` over the prompts' lengths: every refill program the
+run can meet runs once before the clock starts (a first run loads kernels and captures command
+buffers); without it, refills of other sizes compile when first met, outside the clock. ``--budget-s`` bounds the study: past it no new cell starts.
 
 * **Synthetic acceptance** (``--synthetic [c_1,...,c_γ]``, default `synthetic.DEFAULT_RATES`, τ ≈ 3.66
   at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
@@ -95,7 +94,6 @@ from benchmarks import bench_decode
 from benchmarks import harness
 from benchmarks import synthetic
 from dspark_jax.decoding import compile_cache
-from dspark_jax.decoding import packing
 from dspark_jax.decoding.queue import auto_refill_at
 from dspark_jax.models import target as tm
 
@@ -565,35 +563,6 @@ def warm_budgets(budgets: np.ndarray, gamma: int, rounds_per_call: int) -> np.nd
   return np.minimum(budgets, 2 * rounds_per_call * (gamma + 1)).astype(budgets.dtype)
 
 
-def refill_groups(lengths, rows: int) -> list[list[int]]:
-  """Prompt lengths of one refill for each packed prefill size (`packing.prompt_size`) that
-  refills of `rows` rows (the engine's ``refill_rows``; a refill of fewer prompts is padded with
-  one-token rows) of prompts with lengths in [min(`lengths`), max(`lengths`)] can meet, smallest
-  first. Decoding each group once runs every refill program a measured run can meet before its
-  clock starts: a program's first run pays one-time costs (loading its kernels, capturing its
-  command buffers) that its compilation time does not hold."""
-  low, high = min(lengths), max(lengths)
-  groups = {}
-  for real in range(1, rows + 1):
-    pad = rows - real
-    for total in range(real * low + pad, real * high + pad + 1):
-      size = packing.prompt_size(total)
-      if size not in groups:
-        base, extra = divmod(total - pad, real)
-        groups[size] = [base + (i < extra) for i in range(real)]
-  return [groups[size] for size in sorted(groups)]
-
-
-def warm_refills(engine, prompts, rows, temperature) -> int:
-  """Decodes one short refill group of each size `refill_groups` lists for `prompts` (cut from
-  the longest prompt) through `engine`; returns how many."""
-  longest = max(prompts, key=len)
-  groups = refill_groups([len(p) for p in prompts], rows)
-  for group in groups:
-    queue_run(engine, [longest[:n] for n in group], np.full(len(group), 2), temperature)
-  return len(groups)
-
-
 def throughput_study(work: Workload, args) -> list[dict]:
   """Tokens/s per GPU and per user at each concurrency, for plain decoding and each schedule
   (module docstring). The scheduled runs of a concurrency share one program (`SharedSchedules`);
@@ -661,10 +630,10 @@ def throughput_study(work: Workload, args) -> list[dict]:
       start = time.perf_counter()
       for _ in range(args.warmup):
         queue_run(engine, prompts[:warm], short, args.temperature)
-      rows = refill_rows(args, c)
-      if args.warmup and rows is not None and id(engine) not in warmed:
+      if args.warmup and engine.refill_rows is not None and id(engine) not in warmed:
         warmed.add(id(engine))
-        groups = warm_refills(engine, prompts, rows, args.temperature)
+        lengths = [len(p) for p in prompts]
+        groups = engine.warm_up((min(lengths), max(lengths)))
         print(f"  c={c} {name}: warmed {groups} refill programs", flush=True)
       first_s = time.perf_counter() - start
       runs = [queue_run(engine, prompts, budgets, args.temperature, drain=args.drain)

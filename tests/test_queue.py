@@ -380,3 +380,55 @@ def test_refill_at_auto_waits_for_a_32nd_of_the_slots(pair):
                      (0, "^refill_at: must be an integer >= 1, got 0")):
     with pytest.raises(ValueError, match=match):
       dj.Engine(target, draft, max_batch_size=4, refill_at=bad)
+
+
+def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair):
+  # Refills of 2 rows (one or two prompts of 100..300 tokens) pack into 256, 512 or 768 tokens:
+  # three refill programs, which `warm_up` runs once each (with the chunk program). A run of 9
+  # prompts of random lengths in that range, random budgets, through 4 paged slots then compiles
+  # nothing.
+  target, draft = pair
+  engine = dj.Engine(target, draft, max_batch_size=4, max_seq_len=320, refill_rows=2,
+                     rounds_per_call=2, kv="paged")
+  assert engine.warm_up((100, 300), stop_token_ids=[STOP]) == 3
+  programs = decoding.compiled_programs()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, STOP, n).tolist() for n in rng.integers(100, 301, 9)]
+  params = dj.SamplingParams(temperature=np.zeros(9), seed=np.arange(9))
+  result = engine.generate(prompts, params, jax.random.key(0),
+                           max_new_tokens=rng.integers(1, 12, 9), stop_token_ids=[STOP])
+  assert decoding.compiled_programs() == programs and result.compile_seconds == 0.0
+  for bad, match in (((0, 300), r"prompt_lengths: need 1 <= LO <= HI < max_seq_len=320"),
+                     ((200, 100), r"got \(200, 100\)"), ((1, 320), r"got \(1, 320\)"),
+                     ("long", r"prompt_lengths: expected \(LO, HI\), got 'long'")):
+    with pytest.raises(ValueError, match=match):
+      engine.warm_up(bad)
+  for unset in ("max_seq_len", "refill_rows"):
+    kw = dict(max_seq_len=320, refill_rows=2)
+    kw.pop(unset)
+    with pytest.raises(ValueError, match=f"^warm_up: {unset} is None"):
+      dj.Engine(target, draft, max_batch_size=4, **kw).warm_up((1, 8))
+
+
+@pytest.mark.parametrize("low,high,rows,pack,packs_up_to,chunk,cache_len",
+                         [(50, 700, 3, True, 1024, None, 2048), (10, 300, 4, False, 0, 64, 512),
+                          (100, 100, 3, True, 4096, None, 512), (1, 400, 3, True, 512, 128, 512)])
+def test_warm_up_groups_meet_every_refill_program(low, high, rows, pack, packs_up_to, chunk,
+                                                  cache_len):
+  """Every refill program (`slots.refill_form`: packed size or padded width) that a refill of
+  `rows` rows of prompts of low..high tokens can meet, enumerated over every (prompt count,
+  longest, total), has one warm-up group, and every group is such a refill. The packed attention
+  runs up to `packs_up_to` tokens here, so large refills pad."""
+  from dspark_jax.decoding import slots
+  form = lambda lengths: slots.refill_form(lengths, rows, pack=pack,
+                                           packs=lambda n: n <= packs_up_to,
+                                           cache_len=cache_len, chunk=chunk)
+  reachable = set()
+  for real in range(1, rows + 1):
+    for longest in range(low, high + 1):
+      for total in range(longest + (real - 1) * low, real * longest + 1):
+        others, extra = divmod(total - longest, real - 1) if real > 1 else (0, 0)
+        reachable.add(form([longest] + [others + (i < extra) for i in range(real - 1)]))
+  groups = slots.warm_up_groups(low, high, rows, form)
+  assert {form(g) for g in groups} == reachable and len(groups) == len(reachable)
+  assert all(1 <= len(g) <= rows and low <= min(g) and max(g) <= high for g in groups)

@@ -124,17 +124,3 @@ def test_the_cost_model_counts_busy_rows_their_verify_tokens_and_tau():
   with pytest.raises(SystemExit):
     bench_serving.parse_args(["--prompt-lengths", "9,3"])
 
-
-@pytest.mark.parametrize("low,high,rows", [(128, 1024, 8), (128, 1024, 1), (8, 40, 2),
-                                           (300, 2000, 3)])
-def test_refill_groups_meet_every_packed_size_a_run_can(low, high, rows):
-  """Every packed size a refill of `rows` rows can meet (r of them real prompts with lengths in
-  [low, high], the rest one-token padding rows), enumerated exhaustively, has exactly one warm-up
-  group, whose lengths lie in [low, high] and whose refill packs to that size."""
-  from dspark_jax.decoding import packing
-  reachable = {packing.prompt_size(total) for real in range(1, rows + 1)
-               for total in range(real * low + rows - real, real * high + rows - real + 1)}
-  groups = bench_serving.refill_groups([low, (low + high) // 2, high], rows)
-  sizes = [packing.prompt_size(sum(g) + rows - len(g)) for g in groups]
-  assert sizes == sorted(reachable)
-  assert all(1 <= len(g) <= rows and low <= min(g) and max(g) <= high for g in groups)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +55,7 @@ from dspark_jax.decoding.requests import (MIN_BUCKET, _choose_path, bucket, chec
 from dspark_jax.decoding.rounds import PREFILL_CHUNK, _row_arrays
 from dspark_jax.decoding.slots import (CACHE_KEYS, GLOBAL_KEYS, _chunk_program, _empty_state,
                                        _group_prompts, _pack_prompts, _refill_program,
-                                       _saved_rows, _trace_buffers)
+                                       _saved_rows, _trace_buffers, refill_form, warm_up_groups)
 from dspark_jax.draft import block as proposal
 from dspark_jax.draft import memory_gate
 from dspark_jax.models import draft as dm
@@ -191,6 +192,60 @@ class Engine:
         raise ValueError("trace: the queue traces only stateless schedules (a stateful one keys "
                          "its draft noise by the round counter the trace reuses)")
 
+  def _slot_lengths(self, gamma: int) -> tuple[int, int]:
+    """(cache slots, output buffer length) of a slot of `max_seq_len` tokens."""
+    return (tm.cache_slots(self.max_seq_len + 2 * (gamma + 1)),
+            bucket(self.max_seq_len, MIN_BUCKET) + gamma + 1)
+
+  def warm_up(self, prompt_lengths: tuple[int, int], *,
+              stop_token_ids: Sequence[int] | np.ndarray = (), stop_sequences=()) -> int:
+    """Compiles and runs once every refill program that prompts of LO..HI tokens can meet, and
+    the chunk program, on throwaway prompts of one new token each.
+
+    A later `generate` of prompts in that range (with the same stop arguments, whose shapes are
+    the programs') then compiles nothing, and no program runs for the first time inside its
+    clock: a first run pays one-time costs its compilation time leaves out (on a GPU, loading
+    the kernels and capturing command buffers), which would otherwise land in the refills'
+    seconds. Steady-state measurements (`benchmarks/bench_serving.py`) start with it. A row
+    resumed after a preemption (``kv="paged"``) carries its committed tokens, so its refill may
+    meet a program of longer prompts, compiled when first met.
+
+    Args:
+      prompt_lengths: (LO, HI), 1 <= LO <= HI < `max_seq_len`.
+      stop_token_ids, stop_sequences: as the later calls pass them.
+
+    Returns:
+      The number of refills run: one per program (`slots.warm_up_groups`).
+
+    Raises:
+      ValueError: `max_seq_len` or `refill_rows` unset (the programs' shapes then follow each
+        call, or the count of prompts each refill takes), or a bad `prompt_lengths`.
+    """
+    for name in ("max_seq_len", "refill_rows"):
+      if getattr(self, name) is None:
+        raise ValueError(f"warm_up: {name} is None; the refill programs' shapes follow it, so "
+                         f"set it to warm them up")
+    try:
+      low, high = (int(x) for x in prompt_lengths)
+    except (TypeError, ValueError):
+      raise ValueError(f"prompt_lengths: expected (LO, HI), got {prompt_lengths!r}") from None
+    if not 1 <= low <= high < self.max_seq_len:
+      raise ValueError(f"prompt_lengths: need 1 <= LO <= HI < max_seq_len={self.max_seq_len}, "
+                       f"got ({low}, {high})")
+    gamma = self.draft.config.gamma if self.spec else 0
+    cache_len, _ = self._slot_lengths(gamma)
+    packs = functools.lru_cache(maxsize=None)(
+        lambda size: packing.packs(self.target.config, size))
+    form = functools.partial(refill_form, rows=self.refill_rows, pack=self.pack_prompts,
+                             packs=packs, cache_len=cache_len, chunk=self.prefill_chunk)
+    groups = warm_up_groups(low, high, self.refill_rows, form)
+    for lengths in groups:
+      params = sp.SamplingParams(temperature=np.zeros(len(lengths)))
+      self.generate([np.ones(n, np.int32) for n in lengths], params, jax.random.key(0),
+                    max_new_tokens=1, stop_token_ids=stop_token_ids,
+                    stop_sequences=stop_sequences)
+    return len(groups)
+
   def _packed(self, target, padded, lens, index, saved, real: int, cache_len: int):
     """A refill's packed prompts (`slots._pack_prompts`), or None where it pads them instead
     (`pack_prompts`)."""
@@ -265,7 +320,6 @@ class Engine:
     slots_n = self.max_batch_size
     gamma = draft.config.gamma if spec else 0
     out_len = bucket(int(budgets.max()), MIN_BUCKET) + gamma + 1
-    margin = 2 * (gamma + 1)
     if self.max_seq_len is None:
       cache_len = tm.cache_slots(padded.shape[1] + out_len + gamma + 1)
     else:
@@ -276,8 +330,7 @@ class Engine:
         raise ValueError(f"prompts: prompt {i} has {lens[i]} tokens and max_new_tokens "
                          f"{budgets[i]}, {total[i]} in all; a slot holds max_seq_len="
                          f"{self.max_seq_len}")
-      cache_len = tm.cache_slots(self.max_seq_len + margin)
-      out_len = bucket(self.max_seq_len, MIN_BUCKET) + gamma + 1
+      cache_len, out_len = self._slot_lengths(gamma)
     pages = None
     if self.kv == "paged":
       pages = _Pages(self, slots_n, cache_len, gamma, lens)

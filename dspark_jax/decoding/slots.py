@@ -181,15 +181,71 @@ def _group_prompts(padded, lens, index, saved, cache_len, chunk=None):
   the forward)."""
   rows = _row_tokens(padded, lens, index, saved)
   row_lens = [tokens.size for tokens in rows]
-  longest = max(row_lens)
-  width = min(bucket(longest, MIN_BUCKET), cache_len)
-  if chunk is not None and width > chunk:
-    whole = cache_len // chunk * chunk
-    width = whole if longest <= whole else cache_len
+  width = _group_width(max(row_lens), cache_len, chunk)
   group = np.zeros((len(rows), width), np.int32)
   for r, tokens in enumerate(rows):
     group[r, :tokens.size] = tokens
   return group, np.asarray(row_lens, lens.dtype)
+
+
+def _group_width(longest: int, cache_len: int, chunk: int | None) -> int:
+  """T of `_group_prompts` for a refill whose longest prompt has `longest` tokens."""
+  width = min(bucket(longest, MIN_BUCKET), cache_len)
+  if chunk is not None and width > chunk:
+    whole = cache_len // chunk * chunk
+    width = whole if longest <= whole else cache_len
+  return width
+
+
+def refill_form(lengths, rows: int, *, pack: bool, packs, cache_len: int,
+                chunk: int | None) -> tuple[str, int]:
+  """``("packed", N)`` or ``("padded", T)``: the refill program (`_refill_program`) that prefills
+  prompts of `lengths` tokens in a refill of `rows` rows (the rows past them are padding), as
+  `decoding.queue.Engine.generate` chooses it: packed into N tokens (`_pack_prompts`: a padding
+  row is one token) where `pack`, N is at most `packing.prompt_limit` and ``packs(N)`` (the
+  packed attention runs, `packing.packs`); else right-padded to T (`_group_prompts`)."""
+  if pack:
+    size = packing.prompt_size(sum(lengths) + rows - len(lengths))
+    if size <= packing.prompt_limit(rows, chunk, cache_len) and packs(size):
+      return ("packed", size)
+  return ("padded", _group_width(max(lengths), cache_len, chunk))
+
+
+def warm_up_groups(low: int, high: int, rows: int, form) -> list[list[int]]:
+  """One refill's prompt lengths (1 to `rows` prompts of `low`..`high` tokens) for each refill
+  program ``form(lengths)`` (`refill_form`) that such refills can meet, in the order found.
+
+  Packed programs follow the refill's total tokens (padding rows one each), padded ones its
+  longest prompt; where a longest prompt's refill can be either (packing stops past a size), its
+  fullest refill (every row that long) is the padded one. So the candidates are one refill per
+  packed size (the fewest prompts that reach it, balanced) and, per longest length, a refill of
+  that prompt alone and one of `rows` such prompts."""
+  groups = {}
+
+  def add(lengths):
+    groups.setdefault(form(lengths), lengths)
+
+  def balanced(total: int) -> list[int] | None:    # total includes the padding rows' tokens
+    for real in range(1, rows + 1):
+      tokens = total - (rows - real)
+      if real * low <= tokens <= real * high:
+        base, extra = divmod(tokens, real)
+        return [base + (i < extra) for i in range(real)]
+    return None
+
+  first, last = low + rows - 1, rows * high
+  below, size = first - 1, packing.prompt_size(first)
+  while below < last:
+    for total in range(min(size, last), below, -1):   # the totals this size packs
+      lengths = balanced(total)
+      if lengths is not None:
+        add(lengths)
+        break
+    below, size = size, packing.prompt_size(size + 1)
+  for longest in range(low, high + 1):
+    add([longest])
+    add([longest] * rows)
+  return list(groups.values())
 
 
 def _pack_prompts(padded, lens, index, saved, real: int, limit: int):
