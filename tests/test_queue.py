@@ -398,6 +398,12 @@ def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair):
   result = engine.generate(prompts, params, jax.random.key(0),
                            max_new_tokens=rng.integers(1, 12, 9), stop_token_ids=[STOP])
   assert decoding.compiled_programs() == programs and result.compile_seconds == 0.0
+  engine.warm_up((100, 300), sampled=True, stop_token_ids=[STOP])   # the sampling chunk
+  programs = decoding.compiled_programs()
+  params = dj.SamplingParams(temperature=np.linspace(0.0, 1.0, 9), seed=np.arange(9))
+  result = engine.generate(prompts, params, jax.random.key(0), max_new_tokens=5,
+                           stop_token_ids=[STOP])
+  assert decoding.compiled_programs() == programs and result.compile_seconds == 0.0
   for bad, match in (((0, 300), r"prompt_lengths: need 1 <= LO <= HI < max_seq_len=320"),
                      ((200, 100), r"got \(200, 100\)"), ((1, 320), r"got \(1, 320\)"),
                      ("long", r"prompt_lengths: expected \(LO, HI\), got 'long'")):

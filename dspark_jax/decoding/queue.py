@@ -197,13 +197,13 @@ class Engine:
     return (tm.cache_slots(self.max_seq_len + 2 * (gamma + 1)),
             bucket(self.max_seq_len, MIN_BUCKET) + gamma + 1)
 
-  def warm_up(self, prompt_lengths: tuple[int, int], *,
+  def warm_up(self, prompt_lengths: tuple[int, int], *, sampled: bool = False,
               stop_token_ids: Sequence[int] | np.ndarray = (), stop_sequences=()) -> int:
     """Compiles and runs once every refill program that prompts of LO..HI tokens can meet, and
     the chunk program, on throwaway prompts of one new token each.
 
     A later `generate` of prompts in that range (with the same stop arguments, whose shapes are
-    the programs') then compiles nothing, and no program runs for the first time inside its
+    the programs', and sampled rows or none as `sampled` says) then compiles nothing, and no program runs for the first time inside its
     clock: a first run pays one-time costs its compilation time leaves out (on a GPU, loading
     the kernels and capturing command buffers), which would otherwise land in the refills'
     seconds. Steady-state measurements (`benchmarks/bench_serving.py`) start with it. A row
@@ -212,6 +212,8 @@ class Engine:
 
     Args:
       prompt_lengths: (LO, HI), 1 <= LO <= HI < `max_seq_len`.
+      sampled: whether the later calls have sampled rows (temperature > 0): with speculative
+        decoding, a batch of greedy rows only runs a chunk program of its own.
       stop_token_ids, stop_sequences: as the later calls pass them.
 
     Returns:
@@ -240,7 +242,7 @@ class Engine:
                              packs=packs, cache_len=cache_len, chunk=self.prefill_chunk)
     groups = warm_up_groups(low, high, self.refill_rows, form)
     for lengths in groups:
-      params = sp.SamplingParams(temperature=np.zeros(len(lengths)))
+      params = sp.SamplingParams(temperature=np.full(len(lengths), float(sampled)))
       self.generate([np.ones(n, np.int32) for n in lengths], params, jax.random.key(0),
                     max_new_tokens=1, stop_token_ids=stop_token_ids,
                     stop_sequences=stop_sequences)
