@@ -633,7 +633,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
       if args.warmup and engine.refill_rows is not None and id(engine) not in warmed:
         warmed.add(id(engine))
         lengths = [len(p) for p in prompts]
-        groups = engine.warm_up((min(lengths), max(lengths)))
+        groups = engine.warm_up((min(lengths), max(lengths)), sampled=args.temperature > 0)
         print(f"  c={c} {name}: warmed {groups} refill programs", flush=True)
       first_s = time.perf_counter() - start
       runs = [queue_run(engine, prompts, budgets, args.temperature, drain=args.drain)
