@@ -203,12 +203,12 @@ class Engine:
     the chunk program, on throwaway prompts of one new token each.
 
     A later `generate` of prompts in that range (with the same stop arguments, whose shapes are
-    the programs', and sampled rows or none as `sampled` says) then compiles nothing, and no program runs for the first time inside its
-    clock: a first run pays one-time costs its compilation time leaves out (on a GPU, loading
-    the kernels and capturing command buffers), which would otherwise land in the refills'
-    seconds. Steady-state measurements (`benchmarks/bench_serving.py`) start with it. A row
-    resumed after a preemption (``kv="paged"``) carries its committed tokens, so its refill may
-    meet a program of longer prompts, compiled when first met.
+    the programs', and sampled rows or none as `sampled` says) then compiles nothing, and no
+    program runs for the first time inside its clock: a first run pays one-time costs its
+    compilation time leaves out (on a GPU, loading the kernels and capturing command buffers),
+    which would otherwise land in the refills' seconds. A row resumed after a preemption
+    (``kv="paged"``) carries its committed tokens, so its refill may meet a program of longer
+    prompts, compiled when first met.
 
     Args:
       prompt_lengths: (LO, HI), 1 <= LO <= HI < `max_seq_len`.
