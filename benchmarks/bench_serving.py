@@ -58,8 +58,9 @@ excludes compilation) and then ``--repeats`` times; the table shows the median r
 tokens/s). In the throughput study the warm-up is c prompts with outputs cut to 2 ·
 ``--rounds-per-call`` · (γ + 1) tokens (the chunk program and the first refill compile), then,
 with ``--refill-rows``, `dj.Engine.warm_up` over the prompts' lengths: every refill program the
-run can meet runs once before the clock starts (a first run loads kernels and captures command
-buffers); without it, refills of other sizes compile when first met, outside the clock. ``--budget-s`` bounds the study: past it no new cell starts.
+run can meet runs once before the clock starts (a first run pays one-time costs, on a GPU likely
+loading kernels and capturing command buffers); without it, refills of other sizes compile when
+first met, outside the clock. ``--budget-s`` bounds the study: past it no new cell starts.
 
 * **Synthetic acceptance** (``--synthetic [c_1,...,c_γ]``, default `synthetic.DEFAULT_RATES`, τ ≈ 3.66
   at a full verify): the random pair with the target's greedy choices after drafted tokens drawn
@@ -570,7 +571,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
   ``--budget-s`` seconds the remaining cells are skipped (and listed)."""
   low, high = args.lengths
   gamma = work.draft.config.gamma
-  results, skipped, warmed = [], [], set()
+  results, skipped = [], []
   prefill = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
   prefill["pack_prompts"] = args.pack_prompts
   began = time.perf_counter()
@@ -601,7 +602,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
       if chosen:
         shared = SharedSchedules(chosen, profile.buckets())
         shared_schedule = work.schedule(shared.schedule)
-    engines = {}
+    engines, warmed = {}, set()      # this c's engines, and those warm_up ran on
     for name in args.schedules:
       if args.budget_s and time.perf_counter() - began > args.budget_s:
         skipped.append(f"{c}/{name}")
@@ -631,7 +632,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
       for _ in range(args.warmup):
         queue_run(engine, prompts[:warm], short, args.temperature)
       if args.warmup and engine.refill_rows is not None and id(engine) not in warmed:
-        warmed.add(id(engine))
+        warmed.add(id(engine))      # engines[...] holds it for this c: its id is not reused
         lengths = [len(p) for p in prompts]
         groups = engine.warm_up((min(lengths), max(lengths)), sampled=args.temperature > 0)
         print(f"  c={c} {name}: warmed {groups} refill programs", flush=True)

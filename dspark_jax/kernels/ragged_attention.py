@@ -316,8 +316,8 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, groups: int, que
 
 def _combine_rows(m, l, acc, *, t: int, n: int, dtype, interpret: bool):
   """The splits' partials -> (out [B, T, N, D] in `dtype`, lse [B, T, N] float32) in one kernel
-  (`_combine_kernel`), grid (B, K, P): where B·K <= `COMBINE_KERNEL_MAX_ROWS` (on an H100, 83 µs
-  a B = 1 step of the Qwen3-4B shape against XLA's 162; at B = 16 92 against 60)."""
+  (`_combine_kernel`), grid (B, K, P); `ragged_attention` takes it where B·K <=
+  `COMBINE_KERNEL_MAX_ROWS` (the measurements: BENCHMARKS.md)."""
   b, heads, _, rows, d = acc.shape
   return pl.pallas_call(
       functools.partial(_combine_kernel, groups=n // heads, queries=t),
