@@ -625,7 +625,7 @@ class DecoderLayer(nnx.Module):
     """Runs the layer. ``gather_kv(k, v) -> (source, aux)`` says what to attend to, a `Full`,
     `CacheUpTo` or `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
     (e.g. the updated cache). A `WriteKV` in its place has the layer write its keys first."""
-    out, aux = self._mix(x, self.input_norm(x), positions, gather_kv)
+    out, aux = self._mix(self.input_norm(x), positions, gather_kv)
     x = x + self.attention.o_proj(out)
     return x + self.mlp(self.post_norm(x)), aux
 
@@ -638,14 +638,14 @@ class DecoderLayer(nnx.Module):
     own operations and the norm after them; ``"pallas"`` (``"interpret"``: in the interpreter)
     computes each residual add and the norm after it in `kernels.residual_norm`'s kernel, from
     the projection's split-K partial products (equal within bf16 rounding)."""
-    out, aux = self._mix(x, normed, positions, gather_kv)
+    out, aux = self._mix(normed, positions, gather_kv)
     x, normed = _residual(self.attention.o_proj, out, x, self.post_norm, how)
     x, normed = _residual(self.mlp.down_proj, self.mlp.gated(normed), x, next_norm, how)
     return x, normed, aux
 
-  def _mix(self, x: jax.Array, normed: jax.Array, positions: jax.Array, gather_kv):
-    """The attention half on ``normed = input_norm(x)`` -> (the heads' outputs [B, T, N·D],
-    before ``o_proj``; `aux`)."""
+  def _mix(self, normed: jax.Array, positions: jax.Array, gather_kv):
+    """The attention half on ``normed`` (the layer's input norm of its input) -> (the heads'
+    outputs [B, T, N·D], before ``o_proj``; `aux`)."""
     if isinstance(gather_kv, WriteKV):
       q, (source, aux) = self.attention.project_write(normed, positions, gather_kv)
       k = v = None   # the sources a `WriteKV` makes read the cache only
