@@ -215,8 +215,6 @@ def _dot_flops(instr: Instruction, everything: dict) -> tuple[float, int, bool]:
     return 0.0, 0, False
   if not found or not instr.operands or instr.operands[0] not in everything:
     return 0.0, 0, False
-  # `kernels.residual_norm.split_product`'s projection, batched over slices of K: still a GEMM.
-  batched = batched and "/split_k/" not in instr.attrs
   lhs = _dims(everything[instr.operands[0]].shape)
   k = math.prod(lhs[int(d.strip('" '))] for d in found.group(1).split(",") if d.strip('" '))
   return 2.0 * math.prod(_dims(instr.shape)) * k, k, batched

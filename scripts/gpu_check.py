@@ -65,7 +65,6 @@ TESTS = (
     "tests/test_attention.py",
     "tests/test_attention_inputs.py",
     "tests/test_ragged_attention.py",
-    "tests/test_residual_norm.py",
     "tests/test_shared_attention.py",
     "tests/test_packing.py",
     "tests/test_paged.py",

@@ -73,17 +73,6 @@ def test_a_split_k_projection_counts_as_a_gemm_and_a_batched_dot_does_not():
   assert not bp.hlo_costs(SPLIT_K.replace("SPLIT", "1"))["gemm_fusion_dot.7"].gemm
 
 
-def test_the_residual_norm_kernels_split_product_counts_as_a_gemm():
-  """`kernels.residual_norm.split_product` computes a projection as a dot batched over 8 slices
-  of K (its named scope says so): one GEMM of the projection's FLOPs, whatever the backend."""
-  from dspark_jax.kernels import residual_norm
-
-  a, w = jnp.ones((4, 512), jnp.bfloat16), jnp.ones((512, 256), jnp.bfloat16)
-  text = jax.jit(lambda a, w: residual_norm.split_product(a, w)).lower(a, w).compile().as_text()
-  gemms = [c for c in bp.hlo_costs(text).values() if c.gemm]
-  assert len(gemms) == 1 and gemms[0].flops == 2.0 * 4 * 512 * 256
-
-
 def test_a_traced_loop_reduces_per_call_and_iteration(tmp_path):
   """Two calls of a 3-iteration loop of one [8, 64] @ [64, 32] product: the trace (the host XLA
   ops on a CPU) splits by the annotations; the product's group runs once an iteration, with its

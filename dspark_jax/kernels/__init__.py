@@ -13,6 +13,5 @@
 * `ragged_attention`: a few queries per row over a head-major KV cache, reading each row's prefix;
   `paged_attention`: the same through a block table.
 * `attention_inputs`: a layer's query/key norms, rotary embedding and cache writes in one kernel.
-* `residual_norm`: a layer's residual add and the RMSNorm after it in one kernel, at a few tokens.
 * `shared_attention`: training's context attention (forward and backward).
 """

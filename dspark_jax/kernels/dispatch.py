@@ -19,7 +19,7 @@ The returned `Choice` is static and hashable: the compiled programs take it as a
 and `DraftBlock.backend` and `DraftSampler.backends` record which backend ran and why.
 
 `choose_layer_kernel` is the same rule for the models' one-kernel replacements of a few XLA
-operations (`attention_inputs`, `residual_norm`): ``auto``, ``xla`` or ``pallas`` from the argument or an
+operations (`attention_inputs`): ``auto``, ``xla`` or ``pallas`` from the argument or an
 environment variable.
 """
 

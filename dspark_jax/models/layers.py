@@ -9,12 +9,8 @@ This module owns the pieces both models are made of, as flax nnx modules:
   query attention (``num_heads`` query heads share ``num_kv_heads`` key/value heads). It exposes its
   halves (`Attention.project`, `Attention.keys_values`, `Attention.attend`,
   `Attention.attend_cached`) because the draft feeds keys and values from two sources (context
-  and block) into one attention; its ``attend*`` methods return the heads' outputs [B, T, N·D],
-  which the layer projects (``o_proj``);
+  and block) into one attention;
 * `MLP`: the SwiGLU feed-forward block;
-* `DecoderLayer`: a pre-norm layer; `DecoderLayer.chained` also returns the next norm of its
-  output, each residual add and the norm after it in one kernel at a few tokens on a GPU
-  (`kernels.residual_norm`);
 * `write_rows`, `write_heads`: write a contiguous run of per-row entries into a static-size
   buffer; `write_heads` into a head-major [B, K, S, D] key/value cache, the layout attention reads;
 * `group_columns`, `ungroup_columns`, `split_columns`: the column order of a fused projection.
@@ -42,7 +38,6 @@ from dspark_jax import validation
 from dspark_jax.kernels import attention
 from dspark_jax.kernels import attention_inputs
 from dspark_jax.kernels import paged_attention
-from dspark_jax.kernels import residual_norm
 
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -277,8 +272,7 @@ class Attention(nnx.Module):
   queries, keys, values), so a layer reads its inputs' projections in one product. Checkpoints
   name its parts ``q_proj``, ``k_proj`` and ``v_proj`` (`dspark_jax.formats.checkpoints`).
   `column_groups` (1 unless `dspark_jax.parallel` placed the layer on a mesh) is the column order
-  of ``qkv_proj`` (module docstring); the outputs do not depend on it. The ``attend*`` methods
-  return the heads' outputs side by side, [B, T, N·D]; `DecoderLayer` applies ``o_proj``.
+  of ``qkv_proj`` (module docstring); the outputs do not depend on it.
   """
 
   column_groups = 1
@@ -359,7 +353,7 @@ class Attention(nnx.Module):
     whose mask is all False gets zeros (never NaN).
     """
     b, t, n, d = q.shape
-    return attention.attend(q, k, v, mask).reshape(b, t, n * d)
+    return self.o_proj(attention.attend(q, k, v, mask).reshape(b, t, n * d))
 
   def attend_limited(self, q: jax.Array, k: jax.Array, v: jax.Array,
                      limits: jax.Array) -> jax.Array:
@@ -367,13 +361,14 @@ class Attention(nnx.Module):
     seeing slots ``s < limits[b, t]``: the work follows the rows' real context, not S
     (`kernels.attention.attend_limited`)."""
     b, t, n, d = q.shape
-    return attention.attend_limited(q, k, v, limits).reshape(b, t, n * d)
+    return self.o_proj(attention.attend_limited(q, k, v, limits).reshape(b, t, n * d))
 
   def attend_causal(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of [B, T, N, D] queries at positions 0..T-1 over their own token-major
     [B, T, K, D] keys/values (`kernels.attention.attend_causal`)."""
     b, t, n, d = q.shape
-    return attention.attend_causal(q, heads_first(k), heads_first(v)).reshape(b, t, n * d)
+    return self.o_proj(attention.attend_causal(q, heads_first(k), heads_first(v)).reshape(
+        b, t, n * d))
 
   def attend_chunk(self, q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array,
                    cache_v: jax.Array, start: jax.Array) -> jax.Array:
@@ -382,7 +377,7 @@ class Attention(nnx.Module):
     keys/values (`kernels.attention.attend_chunk`)."""
     b, t, n, d = q.shape
     out = attention.attend_chunk(q, heads_first(k), heads_first(v), cache_k, cache_v, start)
-    return out.reshape(b, t, n * d)
+    return self.o_proj(out.reshape(b, t, n * d))
 
   def attend_packed(self, q: jax.Array, source: "PackedCache") -> jax.Array:
     """Attention of packed [1, N, N_heads, D] queries (`PackedCache`): in place through the
@@ -391,10 +386,10 @@ class Attention(nnx.Module):
     _, n, heads, d = q.shape
     out = attention.attend_packed(q[0], source.keys, source.values, source.limits, source.tokens)
     if out is not None:
-      return out.reshape(1, n, heads * d)
+      return self.o_proj(out.reshape(1, n, heads * d))
     attend = lambda dense: attention.attend_limited(dense, source.keys, source.values,
                                                     source.limits)
-    return _per_row(attend, q, source.rows, source.slots, source.limits.shape)
+    return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
 
   def attend_segments(self, q: jax.Array, k: jax.Array, v: jax.Array,
                       source: "Segments") -> jax.Array:
@@ -402,7 +397,7 @@ class Attention(nnx.Module):
     [1, N, K, D] keys/values within `source`'s segments (`kernels.attention.attend_segments`)."""
     _, t, n, d = q.shape
     out = attention.attend_segments(q, k, v, source.lengths)
-    return out.reshape(1, t, n * d)
+    return self.o_proj(out.reshape(1, t, n * d))
 
   def attend_paged(self, q: jax.Array, source: "PagedUpTo") -> jax.Array:
     """Attention of [B, T, N, D] queries (or packed [1, N', N, D] ones, when `source` has rows)
@@ -411,13 +406,13 @@ class Attention(nnx.Module):
                                                         source.table, source.limits)
     if source.rows is None:
       b, t, n, d = q.shape
-      return attend(q).reshape(b, t, n * d)
+      return self.o_proj(attend(q).reshape(b, t, n * d))
     _, n, heads, d = q.shape
     out = paged_attention.attend_packed_paged(q[0], source.keys, source.values, source.table,
                                               source.limits, source.tokens)
     if out is not None:
-      return out.reshape(1, n, heads * d)
-    return _per_row(attend, q, source.rows, source.slots, source.limits.shape)
+      return self.o_proj(out.reshape(1, n, heads * d))
+    return self.o_proj(_per_row(attend, q, source.rows, source.slots, source.limits.shape))
 
   def attend_cached(self, q: jax.Array, source: "CachePrefix", k: jax.Array,
                     v: jax.Array) -> jax.Array:
@@ -434,7 +429,7 @@ class Attention(nnx.Module):
     else:
       out = attention.attend_cached(q, source.cache_k, source.cache_v, source.prefix_len, k, v,
                                     source.block_mask)
-    return out.reshape(b, t, n * d)
+    return self.o_proj(out.reshape(b, t, n * d))
 
 
 def _per_row(attend, q: jax.Array, rows: jax.Array, slots: jax.Array, shape) -> jax.Array:
@@ -590,15 +585,11 @@ class MLP(nnx.Module):
     self.gate_up_proj = _linear(e, 2 * i, dtype, param_dtype, rngs)
     self.down_proj = _linear(i, e, dtype, param_dtype, rngs)
 
-  def gated(self, x: jax.Array) -> jax.Array:
-    """[..., E] -> ``silu(gate(x)) * up(x)`` [..., I], the down projection's input."""
+  def __call__(self, x: jax.Array) -> jax.Array:
     h = self.gate_up_proj(x)
     i = h.shape[-1] // 2
     gate, up = split_columns(h, (i, i), self.column_groups)
-    return jax.nn.silu(gate) * up
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(self.gated(x))
+    return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -624,63 +615,27 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, gather_kv) -> tuple[jax.Array, object]:
     """Runs the layer. ``gather_kv(k, v) -> (source, aux)`` says what to attend to, a `Full`,
     `CacheUpTo` or `CachePrefix`, given this call's own token-major keys/values [B, T, K, D]; `aux` is returned
-    (e.g. the updated cache). A `WriteKV` in its place has the layer write its keys first."""
-    out, aux = self._mix(self.input_norm(x), positions, gather_kv)
-    x = x + self.attention.o_proj(out)
-    return x + self.mlp(self.post_norm(x)), aux
-
-  def chained(self, x: jax.Array, normed: jax.Array, positions: jax.Array, gather_kv,
-              next_norm: nnx.RMSNorm, how: str = "xla") -> tuple[jax.Array, jax.Array, object]:
-    """`__call__` given ``normed = input_norm(x)``, returning also `next_norm` (the next layer's
-    input norm, or the model's final norm) of its output: ``(x, next_norm(x), aux)``.
-
-    `how` (`kernels.residual_norm.choose` for the call's tokens): ``"xla"`` computes `__call__`'s
-    own operations and the norm after them; ``"pallas"`` (``"interpret"``: in the interpreter)
-    computes each residual add and the norm after it in `kernels.residual_norm`'s kernel, from
-    the projection's split-K partial products (equal within bf16 rounding)."""
-    out, aux = self._mix(normed, positions, gather_kv)
-    x, normed = _residual(self.attention.o_proj, out, x, self.post_norm, how)
-    x, normed = _residual(self.mlp.down_proj, self.mlp.gated(normed), x, next_norm, how)
-    return x, normed, aux
-
-  def _mix(self, normed: jax.Array, positions: jax.Array, gather_kv):
-    """The attention half on ``normed`` (the layer's input norm of its input) -> (the heads'
-    outputs [B, T, N·D], before ``o_proj``; `aux`)."""
+    (e.g. the updated cache)."""
+    normed = self.input_norm(x)
     if isinstance(gather_kv, WriteKV):
       q, (source, aux) = self.attention.project_write(normed, positions, gather_kv)
-      k = v = None   # the sources a `WriteKV` makes read the cache only
     else:
       q, k, v = self.attention.project(normed, positions)
       source, aux = gather_kv(k, v)
     if isinstance(source, CachePrefix):
-      return self.attention.attend_cached(q, source, k, v), aux
-    if (isinstance(source, CacheUpTo) and (source.fresh or source.start is not None)
-        and attention.choose_causal(q)):
-      return (self.attention.attend_causal(q, k, v) if source.fresh else
-              self.attention.attend_chunk(q, k, v, source.keys, source.values, source.start)), aux
-    if isinstance(source, CacheUpTo):
-      return self.attention.attend_limited(q, source.keys, source.values, source.limits), aux
-    if isinstance(source, PackedCache):
-      return self.attention.attend_packed(q, source), aux
-    if isinstance(source, Segments):
-      return self.attention.attend_segments(q, k, v, source), aux
-    if isinstance(source, PagedUpTo):
-      return self.attention.attend_paged(q, source), aux
-    return self.attention.attend(q, source.keys, source.values, source.mask), aux
-
-
-def _residual(linear: nnx.Linear, a: jax.Array, residual: jax.Array, norm: nnx.RMSNorm,
-              how: str) -> tuple[jax.Array, jax.Array]:
-  """``h = residual + linear(a)`` and ``norm(h)`` ([..., E] each): in XLA (`how` ``"xla"``), or
-  by `kernels.residual_norm` on ``linear``'s split-K partial products."""
-  if how == "xla":
-    h = residual + linear(a)
-    return h, norm(h)
-  shape = residual.shape
-  m = math.prod(shape[:-1])
-  kernel = linear.kernel[...].astype(linear.dtype or residual.dtype)
-  partials = residual_norm.split_product(a.reshape(m, -1).astype(kernel.dtype), kernel)
-  h, normed = residual_norm.residual_norm(partials, residual.reshape(m, shape[-1]),
-                                          norm.scale[...], eps=norm.epsilon,
-                                          interpret=how == "interpret")
-  return h.reshape(shape), normed.reshape(shape)
+      x = x + self.attention.attend_cached(q, source, k, v)
+    elif (isinstance(source, CacheUpTo) and (source.fresh or source.start is not None)
+          and attention.choose_causal(q)):
+      x = x + (self.attention.attend_causal(q, k, v) if source.fresh else
+               self.attention.attend_chunk(q, k, v, source.keys, source.values, source.start))
+    elif isinstance(source, CacheUpTo):
+      x = x + self.attention.attend_limited(q, source.keys, source.values, source.limits)
+    elif isinstance(source, PackedCache):
+      x = x + self.attention.attend_packed(q, source)
+    elif isinstance(source, Segments):
+      x = x + self.attention.attend_segments(q, k, v, source)
+    elif isinstance(source, PagedUpTo):
+      x = x + self.attention.attend_paged(q, source)
+    else:
+      x = x + self.attention.attend(q, source.keys, source.values, source.mask)
+    return x + self.mlp(self.post_norm(x)), aux

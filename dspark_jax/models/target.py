@@ -30,7 +30,6 @@ from flax import nnx
 
 from dspark_jax import validation
 from dspark_jax.kernels import attention
-from dspark_jax.kernels import residual_norm
 from dspark_jax.models import layers
 from dspark_jax.models import layout
 from dspark_jax.paging import cache as paging
@@ -228,21 +227,18 @@ class TargetModel(nnx.Module):
     """The layers over [B, T] `tokens`, layer i attending to ``source(i)`` (a ``gather_kv``
     function of its keys/values, or a `layers.WriteKV`) -> logits (with ``head=False`` the
     final-normed hidden states), features and the per-layer caches ``(keys, values)`` (tuples) it
-    returned. Each layer hands the next its normed output (`layers.DecoderLayer.chained`); at a
-    few tokens on a GPU the residual adds and norms run in `kernels.residual_norm`."""
+    returned."""
     x = self.embed(tokens)
     saved = {-1: x}
     new_k, new_v = [], []
-    how = "xla" if self.plan is not None else residual_norm.choose(tokens.size, x)
-    normed = self.layers[0].input_norm(x)
     for i, layer in enumerate(self.layers):
-      following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-      x, normed, (keys, values) = layer.chained(x, normed, positions, source(i), following, how)
+      x, (keys, values) = layer(x, positions, source(i))
       new_k.append(keys)
       new_v.append(values)
       saved[i] = x
     features = jnp.concatenate([saved[i] for i in self.config.feature_layers], axis=-1)
-    return self.logits(normed) if head else normed, features, (tuple(new_k), tuple(new_v))
+    x = self.final_norm(x)
+    return self.logits(x) if head else x, features, (tuple(new_k), tuple(new_v))
 
   def _paged(self, tokens, positions, cache, rows, write_positions, limits, slots, head=True):
     """`__call__` / `packed` over a paged cache: keys/values written at (`rows`,
