@@ -180,6 +180,27 @@ def test_scheduled_decodes_follow_the_target_law(name, monkeypatch):
   stats.assert_rejects(counts, _exact_first_three(target, prompt, 0.6), what="wrong temperature")
 
 
+def test_profile_samples_cancel_what_every_call_pays_once():
+  """`profile_sps`'s samples: a call of steps + 1 forwards less a call of one. On a fake clock
+  where a call of n forwards takes 5 + 2n units, each sample of 8 forwards is 16 whatever the 5;
+  where noise makes the short call the longer, the long call's share of the 8."""
+  from dspark_jax.scheduling import profile
+
+  now = [0.0]
+
+  def call(n):
+    now[0] += 5.0 + 2.0 * n
+
+  assert profile._samples(call, 8, repeats=3, warmup=1, clock=lambda: now[0]) == [16.0] * 3
+  costs = iter([40.0, 30.0] * 2)   # (one forward, nine forwards) of each sample
+
+  def noisy(n):
+    now[0] += next(costs)
+
+  assert profile._samples(noisy, 8, repeats=2, warmup=0, clock=lambda: now[0]) == pytest.approx(
+      [30.0 * 8 / 9] * 2)
+
+
 def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   # Tiny shapes, one repeat: the table's structure, not its speed. Each size is a packed verify of
   # that many tokens; the saved JSON reads back through schedules.load_sps; `dense` is the step
