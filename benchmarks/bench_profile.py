@@ -227,6 +227,7 @@ def hlo_costs(text: str) -> dict[str, OpCost]:
   and its FLOPs (dots and GEMM custom calls)."""
   computations = parse_hlo(text)
   everything = {n: i for comp in computations.values() for n, i in comp.items()}
+  owner = {n: c for c, comp in computations.items() for n in comp}
 
   def users(comp: dict, name: str) -> list[Instruction]:
     return [i for i in comp.values() if name in i.operands]
@@ -269,6 +270,24 @@ def hlo_costs(text: str) -> dict[str, OpCost]:
       total, k, gemm = total + f, max(k, kk), gemm or gemm_here
     return total, k, gemm
 
+  def summed_over_splits(comp: dict, instr: Instruction) -> bool:
+    """Whether a user of `instr` sums it over its leading dimension, as XLA sums a GEMM's split-K
+    partial products: a reduce over dimension 0 of it (or of its bitcast or convert), alone or
+    fused into the user."""
+    dims = _dims(instr.shape)
+    for user in users(comp, instr.name):
+      body = called(user) if user.opcode == "fusion" else None
+      for reduce in ([user] if body is None else list(body.values())):
+        if reduce.opcode != "reduce" or "dimensions={0}" not in reduce.attrs:
+          continue
+        source = (body or comp).get(reduce.operands[0]) if reduce.operands else None
+        while source is not None and source.opcode in ("bitcast", "convert", "copy"):
+          source = (body or comp).get(source.operands[0]) if source.operands else None
+        if source is not None and (source.name == instr.name or (
+            body is not None and source.opcode == "parameter" and _dims(source.shape) == dims)):
+          return True
+    return False
+
   inside = {c for i in everything.values() if i.opcode == "fusion"
             for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}
   inside |= {c for i in everything.values() for c in re.findall(r"to_apply=%?([\w.\-]+)", i.attrs)}
@@ -283,8 +302,10 @@ def hlo_costs(text: str) -> dict[str, OpCost]:
       moved = sum(read(body, p) for p in body.values() if p.opcode == "parameter")
       moved += sum(written(body, i) for i in body.values() if i.root)
       f, k, gemm = flops(body)
-      # XLA's split-K gives a projection's dot a batch dimension of K's slices: still a GEMM.
-      gemm = gemm or (f > 0 and _split_k(instr.attrs) > 1)
+      # XLA's split-K gives a projection's dot a batch dimension of K's slices, summed by its
+      # user: still a GEMM.
+      gemm = gemm or (f > 0 and (_split_k(instr.attrs) > 1 or summed_over_splits(
+          computations[owner[name]], instr)))
     elif instr.opcode in SLICES or instr.opcode == "copy":
       moved, f, k, gemm = 2 * shape_bytes(instr.shape), 0.0, 0, False
     elif instr.opcode == "dynamic-update-slice":

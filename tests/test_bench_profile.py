@@ -73,6 +73,47 @@ def test_a_split_k_projection_counts_as_a_gemm_and_a_batched_dot_does_not():
   assert not bp.hlo_costs(SPLIT_K.replace("SPLIT", "1"))["gemm_fusion_dot.7"].gemm
 
 
+SUMMED_SPLITS = """HloModule jit_h, is_scheduled=true
+
+%gemm_computation (p0: bf16[8,1,512], p1: bf16[8,512,2560]) -> f32[8,1,2560] {
+  %p0 = bf16[8,1,512]{2,1,0} parameter(0)
+  %p1 = bf16[8,512,2560]{2,1,0} parameter(1)
+  ROOT %d = f32[8,1,2560]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_convert (param_0: f32[8,1,2560]) -> bf16[1,2560] {
+  %param_0 = f32[8,1,2560]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %r = f32[1,2560]{1,0} reduce(%param_0, %zero), dimensions={0}, to_apply=%add
+  ROOT %c = bf16[1,2560]{1,0} convert(%r)
+}
+
+ENTRY %main (a: bf16[8,1,512], w: bf16[8,512,2560]) -> bf16[1,2560] {
+  %a = bf16[8,1,512]{2,1,0} parameter(0)
+  %w = bf16[8,512,2560]{2,1,0} parameter(1)
+  %gemm_fusion_dot.3 = f32[8,1,2560]{2,1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %loop_convert_fusion = bf16[1,2560]{1,0} fusion(%gemm_fusion_dot.3), kind=kInput, calls=%fused_convert
+}
+"""
+
+
+def test_a_projection_whose_partials_are_summed_counts_as_a_gemm():
+  """Where the fusion's config does not name its split (XLA's nested GEMM fusions), the split
+  shows in the HLO: a dot batched over K's slices whose user sums it over that dimension. A
+  batched dot whose user sums another dimension stays a batched product."""
+  split = bp.hlo_costs(SUMMED_SPLITS)["gemm_fusion_dot.3"]
+  assert split.gemm and split.flops == 2.0 * 8 * 2560 * 512
+  other = SUMMED_SPLITS.replace("dimensions={0}", "dimensions={2}").replace(
+      "f32[1,2560]{1,0} reduce", "f32[8,1]{1,0} reduce")
+  assert not bp.hlo_costs(other)["gemm_fusion_dot.3"].gemm
+
+
 def test_a_traced_loop_reduces_per_call_and_iteration(tmp_path):
   """Two calls of a 3-iteration loop of one [8, 64] @ [64, 32] product: the trace (the host XLA
   ops on a CPU) splits by the annotations; the product's group runs once an iteration, with its
