@@ -18,7 +18,7 @@ interpreter (slowly: for tests), and only when asked for explicitly.
 The returned `Choice` is static and hashable: the compiled programs take it as a static argument,
 and `DraftBlock.backend` and `DraftSampler.backends` record which backend ran and why.
 
-`choose_layer_kernel` is the same rule for the models' one-kernel replacements of a few XLA
+`choose_layer_kernel` is the same rule for a model layer's one-kernel replacement of XLA
 operations (`attention_inputs`): ``auto``, ``xla`` or ``pallas`` from the argument or an
 environment variable.
 """
@@ -410,14 +410,13 @@ LAYER_KERNEL_CHOICES = ("auto", "xla", "pallas")
 
 
 def choose_layer_kernel(what: str, env_var: str, implementation: str | None,
-                        failed: Callable[[], str | None], *, auto: bool = True,
+                        failed: Callable[[], str | None], *,
                         platform: str | None = None) -> str:
   """``"pallas"`` (the kernel, compiled), ``"interpret"`` (in Pallas' interpreter) or ``"xla"``.
 
   The request is `implementation`, else ``$env_var``, else ``auto``: one of
   `LAYER_KERNEL_CHOICES`. ``auto`` takes the compiled kernel on a GPU where ``failed()`` (the
-  kernel's first failed precondition, in words, or None) is None and `auto` (the caller's own
-  condition, e.g. a size limit) holds, else ``xla``. ``pallas`` takes the kernel wherever the
+  kernel's first failed precondition, in words, or None) is None, else ``xla``. ``pallas`` takes the kernel wherever the
   precondition holds, in the interpreter off the GPU (slowly: for tests).
 
   Raises:
@@ -433,6 +432,6 @@ def choose_layer_kernel(what: str, env_var: str, implementation: str | None,
   if requested == "pallas" and reason:
     raise ValueError(f"{what} implementation 'pallas': precondition failed: {reason}")
   platform = platform or jax.default_backend()
-  if reason or (requested == "auto" and (platform != "gpu" or not auto)):
+  if reason or (requested == "auto" and platform != "gpu"):
     return "xla"
   return "pallas" if platform == "gpu" else "interpret"
