@@ -21,7 +21,7 @@ Per schedule (``none``, ``fixed``, ``threshold``, ``prefix``, ``top_k``) it repo
 model's prediction B·τ·SPS(N) from `profile_sps` (N = the mean verify tokens of the round). The
 table behind ``prefix``/``top_k`` and the model is chosen by ``--sps``: ``verify`` (the packed
 verify alone: the draft's cost left out, so the model is an upper bound) or ``round`` (``draft_cost
-=True``: each verify plus the draft forward); with both, each of the two schedules runs once per
+=True``: whole decoding rounds); with both, each of the two schedules runs once per
 table (``prefix@round``), side by side. The schedule's own work (``update`` alone on these
 confidences, 10 calls in a loop) is timed separately.
 

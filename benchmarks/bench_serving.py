@@ -584,7 +584,7 @@ def throughput_study(work: Workload, args) -> list[dict]:
     prompts = work.prompts(count, args.seed + c)
     profile = table = shared = None
     if any(s != "plain" for s in args.schedules):
-      # The round table (verify + draft forward, the paper's engine steps): the schedules'
+      # The round table (whole decoding rounds, the paper's engine steps): the schedules'
       # table and the cost model of every speculative run.
       context = steady_context([len(p) for p in prompts], budgets)
       start = time.perf_counter()

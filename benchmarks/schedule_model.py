@@ -1,6 +1,6 @@
 """The schedules under the cost model: modelled tokens/s of each schedule on a measured round table.
 
-For a concurrency c, a round table {N: rounds/s} (the verify + draft forward of c rows at N packed
+For a concurrency c, a round table {N: rounds/s} (whole decoding rounds of c rows at N packed
 verify tokens, `dj.profile_sps(..., draft_cost=True)`; a bucket slower than a larger one packs into
 the larger, as `SpsProfile.dense` does) and the synthetic acceptance law (`benchmarks.synthetic`:
 rates c_1..c_γ, rows spread by σ), each schedule decides on ``--rounds`` rounds of c rows whose

@@ -224,17 +224,16 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
   np.testing.assert_array_equal(buckets.batch_tokens, decoding.packing.token_buckets(
       ROWS, GAMMA + 1))
   assert np.all(buckets.rows == ROWS) and len(buckets.dense()) == ROWS * (GAMMA + 1) + 1
-  # By default, given the draft, each rate is one verify plus the draft forward of its rows, saved
-  # too; without a draft, the verify alone.
+  # By default, given the draft, each rate is of whole decoding rounds (saved as such); without a
+  # draft, of the verify alone.
   rounds = dj.profile_sps(target, draft, batch_tokens=[6], context=8, repeats=1, steps=2,
                           path=tmp_path / "rounds.json")
-  assert rounds.draft_seconds.shape == (1,) and np.all(rounds.draft_seconds > 0)
-  np.testing.assert_allclose(
-      rounds.steps_per_second, 1 / (rounds.seconds[:, 0] / 2 + rounds.draft_seconds), rtol=1e-12)
-  assert json.load(open(tmp_path / "rounds.json"))["draft_seconds"] == rounds.draft_seconds.tolist()
-  assert profile.draft_seconds is None
+  assert rounds.kind == "round" and rounds.seconds.shape == (1, 1)
+  np.testing.assert_allclose(rounds.steps_per_second, 2 / rounds.seconds[:, 0], rtol=1e-12)
+  assert json.load(open(tmp_path / "rounds.json"))["kind"] == "round"
+  assert profile.kind == "verify"
   assert dj.profile_sps(target, gamma=GAMMA, batch_tokens=[6], context=8, repeats=1,
-                        steps=1).draft_seconds is None
+                        steps=1).kind == "verify"
   for bad, match in ((dict(batch_tokens=[4, 0]), "^batch_tokens: entry 1 is 0"),
                      (dict(batch_tokens=[4], batch_size=2), "^batch_size, batch_tokens: give one"),
                      (dict(batch_tokens=[]), "^batch_tokens: expected a non-empty"),
@@ -244,7 +243,35 @@ def test_profile_sps_measures_saves_and_names_bad_arguments(pair, tmp_path):
       dj.profile_sps(target, draft, **bad)
   with pytest.raises(ValueError, match="^gamma: required without a draft"):
     dj.profile_sps(target)
+  for bad in (-1.0, float("nan"), "hot", True):
+    with pytest.raises(ValueError, match="^temperature: expected a finite float"):
+      dj.profile_sps(target, draft, temperature=bad)
   with pytest.raises(ValueError, match="^draft_cost: needs the draft"):
     dj.profile_sps(target, gamma=GAMMA, draft_cost=True)
   with pytest.raises(ValueError, match="^draft_cost: expected a bool"):
     dj.profile_sps(target, draft, draft_cost="yes")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_profile_rounds_run_the_loops_rounds_at_the_counts_given(pair, temperature):
+  # The timed program is the decoding loop's own iteration with every row active at the context:
+  # n calls' rounds, each verifying exactly the counts given (row_verified), every row's anchor
+  # restarting at the context, so each round commits 1..γ + 1 tokens from there.
+  from dspark_jax.scheduling import profile
+  target, draft = pair
+  target_def, target_state = nnx.split(target)
+  draft_def, draft_state = nnx.split(draft)
+  width = GAMMA + 1
+  buckets = decoding.packing.token_buckets(ROWS, width)
+  call = profile._timed_rounds(target_def, target_state, draft_def, draft_state, ROWS, buckets,
+                               context=8, temperature=temperature)
+  counts = np.array([1, 4, 2, 3], np.int32)
+  state = call(3, counts)
+  rounds, verified = int(state["rounds"]), np.asarray(state["row_verified"])
+  np.testing.assert_array_equal(verified, 3 * counts)
+  state = call(2, np.full(ROWS, width, np.int32))
+  assert int(state["rounds"]) == rounds + 2
+  np.testing.assert_array_equal(state["row_verified"], verified + 2 * width)
+  committed = np.asarray(state["anchor_pos"]) - 8
+  assert np.all((committed >= 1) & (committed <= width)) and not np.asarray(state["done"]).any()
+  np.testing.assert_array_equal(state["count"], committed)

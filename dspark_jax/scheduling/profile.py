@@ -1,27 +1,35 @@
-"""Throughput profiles: how many verify steps per second the target runs at each verify batch size.
+"""Throughput profiles: how many verify steps, or whole decoding rounds, run per second at each
+verify batch size.
 
 This module owns `profile_sps`, the measurement behind the ``sps`` table that the schedules
-`schedules.prefix` and `schedules.top_k` read (SPEC §7): ``sps[n]`` = the target's verify forward
-passes per second with n batch tokens; with ``draft_cost=True`` (the default when the draft is
-given), rounds per second: each verify plus the draft forward of its rows, the part of a round
-whose cost does not follow n (the paper's "engine steps per second"), so that τ·SPS(n) is the
-round's token rate, not only the verify's.
+`schedules.prefix` and `schedules.top_k` read (SPEC §7). With ``draft_cost=True`` (the default
+when the draft is given), ``sps[n]`` = whole decoding rounds per second whose verify runs n batch
+tokens (the paper's "engine steps per second"), so that τ·SPS(n) is the decoding loop's token
+rate; with ``draft_cost=False``, the target's verify forward passes per second alone.
 
-**What is timed.** The packed verify a scheduled decoding round runs (`decoding.packing`): n tokens
-of rows at positions ``context .. context + γ``, packed into a bucket of n slots, over a cache
-sized as the decoding loops allocate it (`models.target.cache_slots`). With ``batch_size=B`` the
-sizes are the decoding loop's own token buckets for B rows (`packing.token_buckets`), each spread
-over the B rows as evenly as it goes, and `SpsProfile.dense` is the step table the loop really
-runs: n tokens cost what their bucket costs. With explicit ``batch_tokens`` each n is packed alone,
-over ``ceil(n / (γ + 1))`` rows. Each sample is the seconds of ``steps`` forwards back to back
-inside one compiled `lax.fori_loop` (no host dispatch between them, as inside the decoding loop): a
-call of ``steps + 1`` less a call of one, so what a call pays once (the host's dispatch, the wait
-for its result) cancels. After ``warmup`` untimed samples, the rate is ``steps / median(seconds)``
-over ``repeats`` samples. The cache contents do not change the work (attention reads each row up to
-its position, whatever the slots hold), so it is left zero. The draft forward (``draft_cost=True``)
-is timed the same way for each size's rows: the backbone over one block, reading the context cache
-up to the anchor, and the shared LM head; the block sampling and the acceptance (small beside it)
-are left out.
+**What is timed.** With ``batch_size=B`` the sizes are the decoding loop's own token buckets for
+B rows (`packing.token_buckets`), each spread over the B rows as evenly as it goes, and
+`SpsProfile.dense` is the step table the loop really runs: n tokens cost what their bucket costs.
+With explicit ``batch_tokens`` each n is packed alone, over ``ceil(n / (γ + 1))`` rows.
+
+* A **round** (``draft_cost=True``) is the decoding loop's own iteration (`decoding.loop.iteration`)
+  on the path and block backend the loop would choose for rows of ``temperature``: the draft
+  forward, the folded block sampling, the packed verify of the size's tokens, the acceptance, the
+  commit and the draft-context update. A fixed schedule sets each row's verify length; every
+  row is active with its anchor at ``context`` in every round. One program serves all of a
+  batch's buckets (the loop's `lax.switch` among them), as in the loop.
+* A **verify** (``draft_cost=False``) is the packed verify alone (`decoding.packing`): n tokens of
+  rows at positions ``context .. context + γ`` packed into a bucket of n slots.
+
+Either runs over caches sized as the decoding loops allocate them (`models.target.cache_slots`).
+Each sample is the seconds of ``steps`` of them back to back inside one compiled `lax.fori_loop`
+(no host dispatch between them, as inside the decoding loop): a call of ``steps + 1`` less a call
+of one, so what a call pays once (the host's dispatch, the wait for its result) cancels. After
+``warmup`` untimed samples, the rate is ``steps / median(seconds)`` over ``repeats`` samples. The
+cache contents do not change the work (attention reads each row up to its position, whatever the
+slots hold), so they are left zero (a round's acceptance then varies, but not its cost: the
+shapes are static). What a decoding loop pays outside its rounds (prefills, the host between
+programs) is not in the table.
 """
 
 from __future__ import annotations
@@ -38,9 +46,19 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import validation
+from dspark_jax import verification
+from dspark_jax.decoding import loop
 from dspark_jax.decoding import packing
+from dspark_jax.decoding import requests
+from dspark_jax.decoding import rounds
+from dspark_jax.decoding import slots
+from dspark_jax.decoding import stops
+from dspark_jax.draft import block as proposal
+from dspark_jax.draft import memory_gate
 from dspark_jax.models import draft as dm
 from dspark_jax.models import target as tm
+from dspark_jax.sampling import params as sp
+from dspark_jax.scheduling import schedules
 
 
 
@@ -50,13 +68,13 @@ class SpsProfile:
 
   Attributes:
     batch_tokens: [n] int64 the requested verify batch sizes, ascending.
-    steps_per_second: [n] float64 verify forwards per second at each.
+    steps_per_second: [n] float64 rounds (``kind == "round"``) or verify forwards
+      (``"verify"``) per second at each.
     rows: [n] int64 rows the packed tokens belonged to.
-    seconds: [n, repeats] float64 the timed samples (each of ``steps`` forwards).
+    seconds: [n, repeats] float64 the timed samples (each of ``steps`` rounds or forwards).
     context, gamma, steps: the settings measured.
-    draft_seconds: [n] float64 seconds of one draft forward over each size's rows, folded into
-      `steps_per_second` (``1 / (verify + draft)``); None when not measured (verify forwards only).
     device: the accelerator, in words. date: when (ISO 8601, UTC).
+    kind: "round" (whole decoding rounds, ``draft_cost=True``) or "verify" (verify forwards).
   """
 
   batch_tokens: np.ndarray
@@ -68,7 +86,7 @@ class SpsProfile:
   steps: int
   device: str
   date: str
-  draft_seconds: np.ndarray | None = None
+  kind: str = "verify"
 
   def dense(self) -> np.ndarray:
     """The dense ``sps`` the schedules take: ``sps[m]`` = the best rate measured at any size
@@ -101,11 +119,9 @@ class SpsProfile:
 
   def save(self, path: str | os.PathLike) -> None:
     """Writes the table as JSON with `schedules.save_sps` (``schedules.load_sps`` reads it back)."""
-    from dspark_jax.scheduling import schedules  # the table format belongs to the schedules
     meta = {"device": self.device, "date": self.date, "context": self.context,
-            "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist()}
-    if self.draft_seconds is not None:
-      meta["draft_seconds"] = self.draft_seconds.tolist()
+            "gamma": self.gamma, "steps": self.steps, "rows": self.rows.tolist(),
+            "kind": self.kind}
     schedules.save_sps(path, (self.batch_tokens.tolist(), self.steps_per_second.tolist()), meta)
 
 
@@ -166,30 +182,68 @@ def _timed_forwards(target_def, target_state, rows: int, tokens: int, context: i
   return call
 
 
-def _timed_drafts(target_def, target_state, draft_def, draft_state, rows: int, context: int):
-  """A compiled thunk ``call(n)`` running n draft forwards of `rows` rows anchored at `context`
-  back to back in one program, returning when they are done."""
+def _round_buckets(rows: int, tokens: int, width: int, batch_size: int | None) -> tuple[int, ...]:
+  """The token buckets the timed rounds pack into: the loop's own for a `batch_size` profile
+  (`packing.token_buckets`), else `tokens` alone (with the dense verify, every row whole, last)."""
+  if batch_size is not None:
+    return packing.token_buckets(rows, width)
+  return tuple(sorted({tokens, rows * width}))
+
+
+def _timed_rounds(target_def, target_state, draft_def, draft_state, rows: int,
+                  buckets: tuple[int, ...], context: int, temperature: float):
+  """A compiled thunk ``call(n, counts) -> state`` running n whole decoding rounds of `rows` rows back to
+  back in one program (`loop.iteration`: draft forward, block sampling, the packed verify of
+  ``counts`` [rows] tokens per row in the smallest of `buckets` that holds them, acceptance,
+  commit and context update), every row active with its anchor at `context` in every round,
+  returning when they are done. One program serves every count."""
+  target = nnx.merge(target_def, target_state)
   draft = nnx.merge(draft_def, draft_state)
-  anchor = jnp.zeros((rows,), jnp.int32)
+  gamma, vocab = draft.config.gamma, target.config.vocab_size
+  width = gamma + 1
+  params = sp.SamplingParams(temperature=np.full(rows, temperature, np.float32))
+  path, reason = requests._choose_path(True, params, draft, rows, vocab, None, None,
+                                       memory_gate.DEFAULT_HEADROOM_BYTES)
+  if path == proposal.PATH_EAGER:
+    raise ValueError(f"temperature: {temperature} samples, but the memory gate disables folded "
+                     f"sampling at {rows} rows ({reason})")
+  backend = requests.choose_block_backend(draft, path, rows, vocab, store_logits=True,
+                                          backend=None, config=None)
+  # The schedule's state is the rows' verify lengths: set before each round, returned as they are.
+  schedule = schedules.Schedule(lambda batch, _: jnp.full((batch,), width, jnp.int32),
+                                lambda confidence, active, lens: (lens, lens), buckets)
+  out_len = 2 * width   # every round commits from 0 (the counts are reset)
+  inputs = {"max_new": np.full(rows, out_len, np.int32), "rows": rounds._row_arrays(params),
+            "stop_ids": verification.stop_id_array((), rows, vocab),
+            "stop_seqs": stops.stop_sequence_array((), rows, vocab)}
+  state = slots._empty_state(target, draft, schedule, rows, tm.cache_slots(context + 2 * width),
+                             out_len, inputs)
   anchor_pos = jnp.full((rows,), context, jnp.int32)
-  gamma = draft.config.gamma
-  context_cache = draft.init_context(rows, tm.cache_slots(context + 2 * (gamma + 1)))
+  zeros, idle = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool)
   leaves, tree = jax.tree.flatten((target_state, draft_state))   # flat: see `_timed_forwards`
+  key = jax.random.key(0)
 
-  @jax.jit
-  def run(leaves, context_cache, n):
+  def run(leaves, state, counts, n):
     t_state, d_state = jax.tree.unflatten(tree, leaves)
-    target, draft = nnx.merge(target_def, t_state), nnx.merge(draft_def, d_state)
+    body = loop.iteration(nnx.merge(target_def, t_state), nnx.merge(draft_def, d_state), path,
+                          inputs["max_new"], inputs["rows"], inputs["stop_ids"],
+                          inputs["stop_seqs"], key, backend=backend, schedule=schedule)
 
-    def body(i, total):
-      token = (anchor + i) % target.config.vocab_size           # varies: nothing hoisted out
-      base, _ = draft(target, token, anchor_pos, context_cache)
-      return total + base[:, 0, 0].astype(jnp.float32).sum()
+    def step(_, state):   # every row at `context`, active, with `counts` to verify
+      return body(dict(state, anchor_pos=anchor_pos, count=zeros, done=idle, finished=idle,
+                       schedule=counts))
 
-    return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+    return jax.lax.fori_loop(0, n, step, state)
 
-  compiled = run.lower(leaves, context_cache, np.int32(0)).compile()
-  return lambda n: jax.block_until_ready(compiled(leaves, context_cache, np.int32(n)))
+  # The state (its caches) is donated and carried from call to call, as in `_timed_forwards`.
+  compiled = jax.jit(run, donate_argnums=1).lower(leaves, state, zeros, np.int32(0)).compile()
+  held = [state]
+
+  def call(n: int, counts) -> dict:
+    held[0] = compiled(leaves, held[0], jnp.asarray(counts, jnp.int32), np.int32(n))
+    jax.block_until_ready(held[0]["anchor"])
+    return held[0]   # valid until the next call, which donates it
+  return call
 
 
 def _samples(call, steps: int, repeats: int, warmup: int, clock=time.perf_counter
@@ -219,8 +273,10 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
                 batch_size: int | None = None, batch_tokens: Sequence[int] | None = None,
                 context: int = 1024,
                 gamma: int | None = None, repeats: int = 5, warmup: int = 1, steps: int = 8,
-                path: str | os.PathLike | None = None, draft_cost: bool | None = None) -> SpsProfile:
-  """Measures the target's verify steps per second at each verify batch size (module docstring).
+                path: str | os.PathLike | None = None, draft_cost: bool | None = None,
+                temperature: float = 0.0) -> SpsProfile:
+  """Measures decoding rounds, or the target's verify steps, per second at each verify batch size
+  (module docstring).
 
   Args:
     target: the target model (its weights and dtype as they will decode).
@@ -231,11 +287,13 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     context: the position of each row's anchor: the context length the forward attends over.
     gamma: drafts per block (default: the draft's).
     repeats: timed samples per size (the median is kept). warmup: untimed samples first.
-    steps: forwards per sample, back to back in one compiled loop.
+    steps: rounds or forwards per sample, back to back in one compiled loop.
     path: if given, the table is saved there as JSON (`SpsProfile.save`).
-    draft_cost: also time the draft forward of each size's rows and fold it in: the rates are
-      rounds per second, ``1 / (verify + draft forward)`` (module docstring). Needs `draft`.
-      None (the default): True when `draft` is given, else False (verify forwards only).
+    draft_cost: time whole decoding rounds, the draft's part included (module docstring): the
+      rates are rounds per second. Needs `draft`. None (the default): True when `draft` is
+      given, else False (the verify forwards alone).
+    temperature: the rows' temperature in the timed rounds (0: greedy rows, the folded-greedy
+      path; > 0: sampled rows, the folded-sampling path where the memory gate allows it).
 
   Returns:
     An `SpsProfile`; `SpsProfile.dense` is the dense ``sps`` the schedules take (a saved file
@@ -244,7 +302,7 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
 
   Raises:
     ValueError: bad sizes or settings (naming the argument), no γ, a γ that differs from the
-      draft's.
+      draft's, a sampled `temperature` at a batch where the memory gate disables folded sampling.
   """
   if not isinstance(target, tm.TargetModel):
     raise ValueError(f"target: expected a TargetModel, got {type(target).__name__}")
@@ -266,7 +324,11 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
   if not isinstance(draft_cost, (bool, np.bool_)):
     raise ValueError(f"draft_cost: expected a bool, got {draft_cost!r}")
   if draft_cost and draft is None:
-    raise ValueError("draft_cost: needs the draft whose forward it times")
+    raise ValueError("draft_cost: needs the draft whose rounds it times")
+  real = isinstance(temperature, (int, float, np.integer, np.floating))
+  if isinstance(temperature, (bool, np.bool_)) or not real or not np.isfinite(temperature) \
+      or temperature < 0:
+    raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
   if batch_tokens is None:
     batch_size = validation.check_positive_int("batch_size", 8 if batch_size is None
                                                else batch_size)
@@ -277,27 +339,29 @@ def profile_sps(target: tm.TargetModel, draft: dm.DSparkDraft | None = None, *,
     rows = -(-sizes // (gamma + 1))
   target_def, target_state = nnx.split(target)
   measured = {}
-  for n_rows, n in zip(rows, sizes):
-    call = None   # the last size's cache goes before the next is allocated
-    call = _timed_forwards(target_def, target_state, int(n_rows), int(n), context, gamma)
-    measured[int(n)] = _samples(call, steps, repeats, warmup)
-  call = None
-  seconds = np.array([measured[int(n)] for n in sizes], np.float64)
-  per_verify = np.median(seconds, axis=1) / steps
-  draft_seconds = None
   if draft_cost:
     draft_def, draft_state = nnx.split(draft)
-    by_rows = {}
-    for n_rows in sorted(set(int(r) for r in rows)):
-      call = _timed_drafts(target_def, target_state, draft_def, draft_state, n_rows, context)
-      by_rows[n_rows] = float(np.median(_samples(call, steps, repeats, warmup))) / steps
-    draft_seconds = np.array([by_rows[int(r)] for r in rows], np.float64)
-    per_verify = per_verify + draft_seconds
+    call = None
+    for n_rows, n in zip(rows, sizes):
+      buckets = _round_buckets(int(n_rows), int(n), gamma + 1, batch_size)
+      if call is None or batch_size is None:   # one program serves a batch's buckets
+        call = None   # the last program's caches go before the next are allocated
+        call = _timed_rounds(target_def, target_state, draft_def, draft_state, int(n_rows),
+                             buckets, context, temperature)
+      counts = _spread(int(n), int(n_rows), gamma + 1)
+      measured[int(n)] = _samples(lambda k: call(k, counts), steps, repeats, warmup)
+  else:
+    for n_rows, n in zip(rows, sizes):
+      call = None   # the last size's cache goes before the next is allocated
+      call = _timed_forwards(target_def, target_state, int(n_rows), int(n), context, gamma)
+      measured[int(n)] = _samples(call, steps, repeats, warmup)
+  call = None
+  seconds = np.array([measured[int(n)] for n in sizes], np.float64)
   profile = SpsProfile(
-      batch_tokens=sizes, steps_per_second=1.0 / per_verify, rows=rows,
+      batch_tokens=sizes, steps_per_second=steps / np.median(seconds, axis=1), rows=rows,
       seconds=seconds, context=context, gamma=gamma, steps=steps, device=_device_name(),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      draft_seconds=draft_seconds)
+      kind="round" if draft_cost else "verify")
   if path is not None:
     profile.save(path)
   return profile
