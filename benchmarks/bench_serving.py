@@ -49,7 +49,8 @@ shipped trained pair (`formats.shipped`) on its held-out prompts
   transient, which a queue in its steady state does not pay),
   the cost model's tokens/s (the tokens over the rounds at the round table's rate for busy rows ×
   verify tokens, interpolated between its buckets, plus the measured refills and host work;
-  measured / model in the table; `model_tokens_per_s`) and the
+  measured / model in the table; `model_tokens_per_s`), a round's milliseconds as the chunks ran
+  it (chunk seconds over rounds) beside the table's round at the run's mean (`table_rate`), and the
   compilation's seconds apart (the warm-up's and any in the measured runs, which the queue's
   clock leaves out).
 
@@ -492,13 +493,21 @@ def model_tokens_per_s(r: dict, concurrency: int, table) -> float | None:
   interpolated linearly at the mean. `table`: (bucket sizes ascending, their rounds/s), the rate
   of a bucket being that of the fastest size at least as large (`ProfileResult.dense`); None
   (plain decoding): None."""
+  rate = table_rate(r, concurrency, table)
+  if rate is None:
+    return None
+  rounds_s = r["tokens"] / (max(r["occupancy"] * concurrency, 1e-9) * r["tau"] * rate)
+  return r["tokens"] / (rounds_s + r.get("refill_s", 0.0) + r.get("host_s", 0.0))
+
+
+def table_rate(r: dict, concurrency: int, table) -> float | None:
+  """The round table's rounds/s for a run's mean round (`model_tokens_per_s`): interpolated at its
+  busy rows × verify tokens per row; None without a table (plain decoding)."""
   if table is None:
     return None
   sizes, rates = (np.asarray(a, np.float64) for a in table)
   rows = max(r["occupancy"] * concurrency, 1e-9)
-  rate = float(np.interp(rows * r["verify_tokens"], sizes, rates))
-  rounds_s = r["tokens"] / (rows * r["tau"] * rate)
-  return r["tokens"] / (rounds_s + r.get("refill_s", 0.0) + r.get("host_s", 0.0))
+  return float(np.interp(rows * r["verify_tokens"], sizes, rates))
 
 
 class SharedSchedules:
@@ -644,12 +653,18 @@ def throughput_study(work: Workload, args) -> list[dict]:
                compile_s=first_s + sum(x["compile_s"] for x in runs),
                compiled=compile_summary(compile_cache.compile_log()[logged:]))
       r["model_tokens_per_s"] = model_tokens_per_s(r, c, None if name == "plain" else table)
+      # A round (or step) as the chunks ran it, against the table's round at the run's mean.
+      r["round_ms"] = 1e3 * r["chunk_s"] / max(r["rounds"], 1)
+      rate = table_rate(r, c, None if name == "plain" else table)
+      r["table_round_ms"] = None if rate is None else 1e3 / rate
       results.append(r)
       model = r["model_tokens_per_s"]
+      table_ms = "" if rate is None else f" (table {r['table_round_ms']:.2f})"
       print(f"  c={c} {name}: {r['tokens_per_s']:.0f} tokens/s per GPU, "
             f"{r['per_user_tokens_per_s']:.1f} per user, τ {r['tau']:.2f}, verify "
             f"{r['verify_tokens']:.2f}/row, occupancy {r['occupancy']:.3f}, model "
-            f"{'-' if model is None else f'{model:.0f}'}, {r['unfinished']} unfinished, "
+            f"{'-' if model is None else f'{model:.0f}'}, round {r['round_ms']:.2f} ms{table_ms}, "
+            f"{r['unfinished']} unfinished, "
             f"wall {r['seconds']:.2f} s = chunks {r['chunk_s']:.2f} + refills "
             f"{r['refill_s']:.2f} (filling the slots {r['fill_s']:.2f}) + host {r['host_s']:.2f}; "
             f"without the fill {r['steady_tokens_per_s']:.0f} tokens/s, "

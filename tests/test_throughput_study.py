@@ -114,6 +114,8 @@ def test_the_cost_model_counts_busy_rows_their_verify_tokens_and_tau():
   assert bench_serving.model_tokens_per_s(dict(run, verify_tokens=1.0), 16,
                                           table) == pytest.approx(8 * 2.5 * 100)
   assert bench_serving.model_tokens_per_s(run, 16, None) is None
+  assert bench_serving.table_rate(run, 16, table) == pytest.approx(75.0)   # the round it models
+  assert bench_serving.table_rate(run, 16, None) is None
   # The table's context: a busy row's mean prompt + made tokens in the steady state, E[L²]/(2E[L])
   # (equal rows: halfway; rows of 100 and 300 tokens: a slot holds the long one 3/4 of the time,
   # 125 in on average).
