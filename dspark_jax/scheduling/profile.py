@@ -192,8 +192,8 @@ def _round_buckets(rows: int, tokens: int, width: int, batch_size: int | None) -
 
 def _timed_rounds(target_def, target_state, draft_def, draft_state, rows: int,
                   buckets: tuple[int, ...], context: int, temperature: float):
-  """A compiled thunk ``call(n, counts) -> state`` running n whole decoding rounds of `rows` rows back to
-  back in one program (`loop.iteration`: draft forward, block sampling, the packed verify of
+  """A compiled thunk ``call(n, counts) -> state`` running n whole decoding rounds of `rows` rows
+  back to back in one program (`loop.iteration`: draft forward, block sampling, the packed verify of
   ``counts`` [rows] tokens per row in the smallest of `buckets` that holds them, acceptance,
   commit and context update), every row active with its anchor at `context` in every round,
   returning when they are done. One program serves every count."""
