@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from benchmarks import bench_compact, bench_decode, bench_hf, bench_load, bench_sampler
+from benchmarks import (bench_compact, bench_decode, bench_hf, bench_load, bench_loop,
+                        bench_sampler)
 
 FAST = ["--small", "--backend", "xla", "--repeats", "1"]
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
@@ -124,6 +125,24 @@ def test_load_benchmark_prints_its_table(tmp_path, capsys):
   assert [row[0] for row in rows] == ["in", "loaded"]  # "in memory", split on spaces
   assert rows[1][-2:] == ["2/2", "2/2"]
   assert set(saved["results"]["e2e"]) == {"in memory", "loaded"}
+
+
+@pytest.mark.slow
+def test_loop_benchmark_compares_the_chunks_with_the_table(tmp_path, capsys):
+  """One slot, paged: the table's round and the queue's chunks, both traced back to kernel groups
+  per round (~20 s on 2 cores). Only the structure is checked: the rounds ran, both traces held
+  kernels, the ratio is the two rounds' quotient."""
+  saved, _, rows = run_and_read_table(
+      bench_loop, "bench_loop (", ["--small", "--repeats", "1", "--rounds-per-call", "4",
+                                   "--out", str(tmp_path / "trace")],
+      tmp_path / "loop.json", capsys)
+  (result,) = saved["results"]
+  assert (result["kv"], result["rounds_per_call"]) == ("paged", 4) and result["rounds"] > 0
+  assert result["table_round_s"] > 0 and result["queue_round_s"] > 0
+  assert result["table_kernel_us"] > 0 and result["queue_kernel_us"] > 0 and result["groups"]
+  assert rows[0][:2] == ["paged", "4"]
+  assert float(rows[0][4]) == pytest.approx(result["queue_round_s"] / result["table_round_s"],
+                                            abs=0.006)
 
 
 def test_train_benchmark_times_the_step_and_its_target_part(tmp_path, capsys, monkeypatch):
