@@ -218,29 +218,33 @@ def _timed_rounds(target_def, target_state, draft_def, draft_state, rows: int,
             "stop_seqs": stops.stop_sequence_array((), rows, vocab)}
   state = slots._empty_state(target, draft, schedule, rows, tm.cache_slots(context + 2 * width),
                              out_len, inputs)
-  anchor_pos = jnp.full((rows,), context, jnp.int32)
-  zeros, idle = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool)
+  # Everything a round reads arrives at run time, as in the queue's chunks: nothing to fold.
+  fresh = {"anchor_pos": np.full(rows, context, np.int32), "count": np.zeros(rows, np.int32),
+           "done": np.zeros(rows, bool), "finished": np.zeros(rows, bool)}
+  inputs, fresh = jax.device_put((inputs, fresh))
   leaves, tree = jax.tree.flatten((target_state, draft_state))   # flat: see `_timed_forwards`
   key = jax.random.key(0)
 
-  def run(leaves, state, counts, n):
+  def run(leaves, state, counts, n, inputs, fresh, key):
     t_state, d_state = jax.tree.unflatten(tree, leaves)
     body = loop.iteration(nnx.merge(target_def, t_state), nnx.merge(draft_def, d_state), path,
                           inputs["max_new"], inputs["rows"], inputs["stop_ids"],
                           inputs["stop_seqs"], key, backend=backend, schedule=schedule)
 
     def step(_, state):   # every row at `context`, active, with `counts` to verify
-      return body(dict(state, anchor_pos=anchor_pos, count=zeros, done=idle, finished=idle,
-                       schedule=counts))
+      return body(dict(state, schedule=counts, **fresh))
 
     return jax.lax.fori_loop(0, n, step, state)
 
   # The state (its caches) is donated and carried from call to call, as in `_timed_forwards`.
-  compiled = jax.jit(run, donate_argnums=1).lower(leaves, state, zeros, np.int32(0)).compile()
+  counts0 = np.zeros(rows, np.int32)
+  compiled = jax.jit(run, donate_argnums=1).lower(
+      leaves, state, counts0, np.int32(0), inputs, fresh, key).compile()
   held = [state]
 
   def call(n: int, counts) -> dict:
-    held[0] = compiled(leaves, held[0], jnp.asarray(counts, jnp.int32), np.int32(n))
+    held[0] = compiled(leaves, held[0], np.asarray(counts, np.int32), np.int32(n), inputs,
+                       fresh, key)
     jax.block_until_ready(held[0]["anchor"])
     return held[0]   # valid until the next call, which donates it
   return call
