@@ -302,6 +302,32 @@ def test_paged_queue_allocates_no_contiguous_caches(pair, monkeypatch):
   assert not made[0] & set(slots.CACHE_KEYS) and set(slots.CACHE_KEYS) <= made[1]
 
 
+def test_an_engine_traces_its_empty_state_once_per_shape(pair, monkeypatch):
+  # The empty loop state's shapes come from tracing the prefill (a second or more of the host's
+  # time on a deep model): an engine traces them once per shape, and its later runs with the
+  # same shapes decode the same tokens from the remembered ones.
+  from dspark_jax.decoding import slots
+  traced = []
+  real = jax.eval_shape
+
+  def counting(fn, *args, **kwargs):
+    traced.append(fn)
+    return real(fn, *args, **kwargs)
+  monkeypatch.setattr(slots.jax, "eval_shape", counting)
+  target, draft = pair
+  params = dj.SamplingParams(temperature=[0.0, 1.0], seed=[1, 2])
+  engine = dj.Engine(target, draft, 2, max_seq_len=24)
+  run = lambda prompts: engine.generate(prompts, params, jax.random.key(3), max_new_tokens=6)
+  first, second = run([[1, 2, 3], [4, 5]]), run([[1, 2, 3], [4, 5]])
+  assert len(traced) == 1
+  np.testing.assert_array_equal(first.tokens, second.tokens)
+  run([[6, 7], [8, 9, 1, 2]])                 # other prompts, the same shapes
+  assert len(traced) == 1
+  dj.Engine(target, draft, 2, max_seq_len=40).generate(   # another engine, other slot lengths
+      [[1, 2, 3], [4, 5]], params, jax.random.key(3), max_new_tokens=6)
+  assert len(traced) == 2
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_out_of_device_memory_names_the_concurrency_and_cache(pair, monkeypatch, paged):
   # An XLA RESOURCE_EXHAUSTED error from a program (simulated: nothing is allocated) comes back

@@ -158,6 +158,7 @@ class Engine:
   trace: bool = False
   prefill_chunk: int | None = PREFILL_CHUNK
   pack_prompts: bool = True
+  _shapes: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     self.max_batch_size = _check_positive("max_batch_size", self.max_batch_size)
@@ -357,7 +358,7 @@ class Engine:
                          store_logits=self.store_logits, backend=choice, schedule=schedule,
                          rounds_per_call=self.rounds_per_call)
     state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs,
-                         caches=pages is None)
+                         caches=pages is None, memo=self._shapes)
     if pages is not None:
       state.update(pages.empty_caches(target, draft if spec else None))
     if self.trace:

@@ -281,21 +281,31 @@ def _trace_buffers(rounds, slots_n, gamma):
 
 
 def _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs,
-                 caches: bool = True):
+                 caches: bool = True, memo: dict | None = None):
   """The loop state of S idle slots: every per-row entry zeroed and ``done``; the global entries
   fresh (the schedule's `init` on S rows). ``caches=False`` (a paged queue, whose caches are its
-  page pool) allocates no contiguous caches: `CACHE_KEYS` are left out."""
-  one = jax.tree.map(lambda x: x[:1].repeat(slots_n, 0), all_inputs)
+  page pool) allocates no contiguous caches: `CACHE_KEYS` are left out. `memo` (an engine's):
+  the state's shapes by everything they follow, so that a later call with the same ones does not
+  trace the prefill again (a second or more of the host's time on a deep model)."""
+  leaves, structure = jax.tree.flatten(all_inputs)
+  key = (id(target), id(draft), repr(target.config), None if draft is None else repr(draft.config),
+         slots_n, cache_len, out_len, caches, structure,
+         tuple((np.shape(x)[1:], np.result_type(x)) for x in leaves))
+  shaped = None if memo is None else memo.get(key)
+  if shaped is None:
+    one = jax.tree.map(lambda x: x[:1].repeat(slots_n, 0), all_inputs)
 
-  def shapes():
-    prompt = jnp.zeros((slots_n, MIN_BUCKET), jnp.int32)
-    lens = jnp.ones((slots_n,), jnp.int32)
-    return _prefill(target, draft, prompt, lens, one["max_new"], one["rows"], one["stop_ids"],
-                    jax.random.key(0), cache_len, out_len, one["stop_seqs"])
+    def shapes():
+      prompt = jnp.zeros((slots_n, MIN_BUCKET), jnp.int32)
+      lens = jnp.ones((slots_n,), jnp.int32)
+      return _prefill(target, draft, prompt, lens, one["max_new"], one["rows"], one["stop_ids"],
+                      jax.random.key(0), cache_len, out_len, one["stop_seqs"])
 
-  shaped = jax.eval_shape(shapes)
-  if not caches:
-    shaped = {k: v for k, v in shaped.items() if k not in CACHE_KEYS}
+    shaped = jax.eval_shape(shapes)
+    if not caches:
+      shaped = {k: v for k, v in shaped.items() if k not in CACHE_KEYS}
+    if memo is not None:
+      memo[key] = shaped
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shaped)
   state["done"] = jnp.ones((slots_n,), bool)
   if draft is not None:
