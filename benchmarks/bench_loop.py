@@ -29,7 +29,6 @@ import argparse
 import collections
 import gc
 import os
-import re
 import time
 
 import jax
@@ -81,7 +80,7 @@ def kernel_groups(events, rounds: int) -> dict[str, float]:
   """µs per round of each kernel group (the kernel's name less its uniquifying numbers)."""
   groups = collections.defaultdict(float)
   for e in events:
-    groups[re.sub(r"([._]\d+)+$", "", e.name)] += (e.end - e.start) / rounds / 1e3
+    groups[bench_profile.kernel_group(e.name)] += (e.end - e.start) / rounds / 1e3
   return dict(groups)
 
 

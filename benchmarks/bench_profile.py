@@ -436,6 +436,11 @@ def call_timeline(events: list[Event], gap_ns: float) -> dict:
                       for g in sorted(gaps, reverse=True)[:3]]}
 
 
+def kernel_group(name: str) -> str:
+  """A kernel's group where no HLO op names it: its name less its uniquifying numbers."""
+  return re.sub(r"([._]\d+)+$", "", name)
+
+
 def _sanitized(name: str) -> str:
   return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
@@ -474,7 +479,7 @@ def reduce_calls(trace: dict, costs: dict[str, OpCost], *, calls: int, iteration
   groups = {}
   for e in events:
     op = op_of(e)
-    key = costs[op].label if op else re.sub(r"([._]\d+)+$", "", e.name)
+    key = costs[op].label if op else kernel_group(e.name)
     g = groups.setdefault(key, {"group": key, "count": 0, "ns": 0.0, "bytes": 0.0, "flops": 0.0,
                                 "costed": op is not None, "gemm": bool(op and costs[op].gemm),
                                 "kernels": set(), "ops": set()})

@@ -416,8 +416,8 @@ def choose_layer_kernel(what: str, env_var: str, implementation: str | None,
 
   The request is `implementation`, else ``$env_var``, else ``auto``: one of
   `LAYER_KERNEL_CHOICES`. ``auto`` takes the compiled kernel on a GPU where ``failed()`` (the
-  kernel's first failed precondition, in words, or None) is None, else ``xla``. ``pallas`` takes the kernel wherever the
-  precondition holds, in the interpreter off the GPU (slowly: for tests).
+  kernel's first failed precondition, in words, or None) is None, else ``xla``. ``pallas`` takes
+  the kernel wherever the precondition holds, in the interpreter off the GPU (slowly: for tests).
 
   Raises:
     ValueError: an unknown request, or ``pallas`` where the precondition fails (naming `what`).
