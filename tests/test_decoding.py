@@ -304,6 +304,36 @@ def test_calls_in_the_same_buckets_never_recompile(target):
   assert result.compile_seconds == 0.0
 
 
+def test_compiling_ahead_queues_each_program_once_and_a_later_call_gets_it(monkeypatch):
+  # Inside `compiling_ahead`, a new program is lowered, queued (once, however often it is met) and
+  # signalled by `Deferred`; afterwards `compiled` returns it (waiting for its thread), logged
+  # once with its own seconds, and `wait_ahead` stores the rest. Programs equal a plain compile's.
+  cache = decoding.compile_cache
+  monkeypatch.setattr(cache, "_COMPILED", {})
+  monkeypatch.setattr(cache, "_LOG", [])
+
+  def affine(x, *, scale):
+    return x * scale + 1.0
+
+  x = jnp.arange(4.0)
+  with cache.compiling_ahead(2):
+    for scale in (2.0, 2.0, 3.0):
+      with pytest.raises(cache.Deferred, match="affine"):
+        cache.compiled(affine, (x,), dict(scale=scale))
+    assert decoding.compiled_programs() == 2 and cache.compile_log() == []
+  program, waited = cache.compiled(affine, (x,), dict(scale=2.0))
+  np.testing.assert_array_equal(program(x), x * 2.0 + 1.0)
+  assert waited >= 0.0 and [name for name, _ in cache.compile_log()] == [affine.__qualname__]
+  cache.wait_ahead()
+  assert len(cache.compile_log()) == 2 and not cache._PENDING
+  program, waited = cache.compiled(affine, (x,), dict(scale=3.0))
+  np.testing.assert_array_equal(program(x), x * 3.0 + 1.0)
+  assert waited == 0.0 and decoding.compiled_programs() == 2
+  with pytest.raises(ValueError, match="^workers: expected at least 1, got 0"):
+    with cache.compiling_ahead(0):
+      pass
+
+
 @pytest.mark.parametrize("edit,match", [
     (dict(prompts=[[1, 2], [3, VOCAB]]), "prompts: row 1 token 1 is 12"),
     (dict(prompts=[[1], []]), "prompts: row 1 must be a non-empty"),

@@ -408,7 +408,7 @@ def test_refill_at_auto_waits_for_a_32nd_of_the_slots(pair):
       dj.Engine(target, draft, max_batch_size=4, refill_at=bad)
 
 
-def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair):
+def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair, monkeypatch):
   # Refills of 2 rows (one or two prompts of 100..300 tokens) pack into 256, 512 or 768 tokens:
   # three refill programs, which `warm_up` runs once each (with the chunk program). A run of 9
   # prompts of random lengths in that range, random budgets, through 4 paged slots then compiles
@@ -416,7 +416,12 @@ def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair):
   target, draft = pair
   engine = dj.Engine(target, draft, max_batch_size=4, max_seq_len=320, refill_rows=2,
                      rounds_per_call=2, kv="paged")
-  assert engine.warm_up((100, 300), stop_token_ids=[STOP]) == 3
+  # Compiled side by side on 3 threads (`compile_cache.compiling_ahead`), then run in turn.
+  monkeypatch.setattr(decoding.compile_cache, "_COMPILED", {})
+  monkeypatch.setattr(decoding.compile_cache, "_LOG", [])
+  assert engine.warm_up((100, 300), stop_token_ids=[STOP], compile_workers=3) == 3
+  assert sorted(name for name, _ in decoding.compile_cache.compile_log()) == [
+      "_chunk_program"] + ["_refill_program"] * 3
   programs = decoding.compiled_programs()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, STOP, n).tolist() for n in rng.integers(100, 301, 9)]
@@ -424,12 +429,15 @@ def test_warm_up_runs_every_refill_program_so_a_run_compiles_nothing(pair):
   result = engine.generate(prompts, params, jax.random.key(0),
                            max_new_tokens=rng.integers(1, 12, 9), stop_token_ids=[STOP])
   assert decoding.compiled_programs() == programs and result.compile_seconds == 0.0
-  engine.warm_up((100, 300), sampled=True, stop_token_ids=[STOP])   # the sampling chunk
+  engine.warm_up((100, 300), sampled=True, stop_token_ids=[STOP],   # the sampling chunk
+                 compile_workers=1)
   programs = decoding.compiled_programs()
   params = dj.SamplingParams(temperature=np.linspace(0.0, 1.0, 9), seed=np.arange(9))
   result = engine.generate(prompts, params, jax.random.key(0), max_new_tokens=5,
                            stop_token_ids=[STOP])
   assert decoding.compiled_programs() == programs and result.compile_seconds == 0.0
+  with pytest.raises(ValueError, match=r"^compile_workers: must be an integer >= 1, got 0"):
+    engine.warm_up((100, 300), compile_workers=0)
   for bad, match in (((0, 300), r"prompt_lengths: need 1 <= LO <= HI < max_seq_len=320"),
                      ((200, 100), r"got \(200, 100\)"), ((1, 320), r"got \(1, 320\)"),
                      ("long", r"prompt_lengths: expected \(LO, HI\), got 'long'")):

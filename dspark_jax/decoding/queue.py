@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -199,7 +200,8 @@ class Engine:
             bucket(self.max_seq_len, MIN_BUCKET) + gamma + 1)
 
   def warm_up(self, prompt_lengths: tuple[int, int], *, sampled: bool = False,
-              stop_token_ids: Sequence[int] | np.ndarray = (), stop_sequences=()) -> int:
+              stop_token_ids: Sequence[int] | np.ndarray = (), stop_sequences=(),
+              compile_workers: int | None = None) -> int:
     """Compiles and runs once every refill program that prompts of LO..HI tokens can meet, and
     the chunk program, on throwaway prompts of one new token each.
 
@@ -216,6 +218,10 @@ class Engine:
       sampled: whether the later calls have sampled rows (temperature > 0): with speculative
         decoding, a batch of greedy rows only runs a chunk program of its own.
       stop_token_ids, stop_sequences: as the later calls pass them.
+      compile_workers: threads compiling the refill programs side by side
+        (`compile_cache.compiling_ahead`): each refill is first run only until its program is
+        queued, then all run in turn, each waiting for its own program (the chunk program
+        compiles meanwhile). None: one a CPU core, at most one a program; 1: one at a time.
 
     Returns:
       The number of refills run: one per program (`slots.warm_up_groups`).
@@ -242,11 +248,24 @@ class Engine:
     form = functools.partial(refill_form, rows=self.refill_rows, pack=self.pack_prompts,
                              packs=packs, cache_len=cache_len, chunk=self.prefill_chunk)
     groups = warm_up_groups(low, high, self.refill_rows, form)
-    for lengths in groups:
+    workers = (min(len(groups), os.cpu_count() or 1) if compile_workers is None
+               else _check_positive("compile_workers", compile_workers))
+
+    def run(lengths):
       params = sp.SamplingParams(temperature=np.full(len(lengths), float(sampled)))
       self.generate([np.ones(n, np.int32) for n in lengths], params, jax.random.key(0),
                     max_new_tokens=1, stop_token_ids=stop_token_ids,
                     stop_sequences=stop_sequences)
+
+    if workers > 1:
+      with compile_cache.compiling_ahead(workers):
+        for lengths in groups:
+          try:
+            run(lengths)
+          except compile_cache.Deferred:
+            pass
+    for lengths in groups:
+      run(lengths)
     return len(groups)
 
   def _packed(self, target, padded, lens, index, saved, real: int, cache_len: int):
