@@ -3,6 +3,9 @@
 Shapes: Qwen3-4B's attention (N=32 query heads, K=8 kv heads, D=128, bfloat16) over a head-major
 cache of ``S = --slots`` slots (default 8320: 8200 rounded up to a multiple of 128), every row
 holding L real tokens; the T queries of a row see ``limits[b, t] = L - T + t + 1`` slots (causal).
+With ``--spread R`` the rows hold different lengths of mean L instead, log-spaced so that the
+longest is R times the shortest (`row_lengths`), as a serving batch's rows do; a kernel whose
+rows take equal shares of the grid then waits for its longest row.
 One sample is a compiled program of 36 attention calls (one per layer of the model), each call's
 output the next call's queries, rotating among 4 cache sets (36 distinct caches do not fit at
 B=128); the median of ``--repeats`` samples after ``--warmup``, all forms timed side by side
@@ -16,11 +19,13 @@ Forms:
 * ``xla_exact``: `attend_xla` over caches of exactly L slots (copies made before timing): the
   least an XLA form could read;
 * ``kernel_bkv{64,128}``: `ragged_attention.ragged_attention` with the limits, reading each row's
-  L slots of the S-slot cache;
+  L slots of the S-slot cache; ``kernel_s{n}`` (``--splits``): the same with n splits a row;
 * ``cudnn_cut``: `attention.attend_cudnn` over the cut cache, where it runs (else n/a).
 
 Each form's output of one call is compared with ``xla_full``'s (max relative error). The floor is
-the KV bytes a call must read, ``2·B·K·L·D·2`` (keys and values, bf16), times 36, at this device's measured copy rate (`harness.floor_bandwidth`).
+the KV bytes a call must read, ``2·K·ΣL·D·2`` (keys and values, bf16, over the rows' lengths),
+times 36, at this device's measured copy rate (`harness.floor_bandwidth`). ``xla_cut`` and
+``xla_exact`` cut the caches to the longest row.
 
   PYTHONPATH=. python -m benchmarks.bench_attention [--quick] [--sweep] [--out PATH]
 """
@@ -81,8 +86,19 @@ def forms(length: int, slots: int, variants) -> dict:
   return out
 
 
-def floor_ms(batch: int, length: int) -> float:
-  return LAYERS * 2 * batch * KV_HEADS * length * HEAD_DIM * 2 / harness.floor_bandwidth()[0] * 1e3
+def floor_ms(tokens: int) -> float:
+  """The KV read floor of `LAYERS` calls over rows of `tokens` real slots in all."""
+  return LAYERS * 2 * KV_HEADS * tokens * HEAD_DIM * 2 / harness.floor_bandwidth()[0] * 1e3
+
+
+def row_lengths(batch: int, length: int, spread: float, slots: int, t: int = 1) -> np.ndarray:
+  """[B] int row lengths of mean about `length`, log-spaced so that the longest is `spread` times
+  the shortest (1: all `length`), each clipped to T..S."""
+  if spread < 1:
+    raise ValueError(f"--spread: expected at least 1, got {spread}")
+  weights = spread ** (np.arange(batch) / max(batch - 1, 1))
+  lengths = np.rint(length * weights / weights.mean()).astype(np.int64)
+  return np.clip(lengths, t, slots)
 
 
 def rel_err(out, ref) -> float:
@@ -109,13 +125,17 @@ def caches(batch: int, slots: int):
 def bench_shape(batch, length, t, slots, variants, args) -> dict:
   ks, vs = caches(batch, slots)
   q = jax.random.normal(jax.random.key(length * 16 + t), (batch, t, HEADS, HEAD_DIM), jnp.bfloat16)
-  limits = jnp.broadcast_to(length - t + 1 + jnp.arange(t, dtype=jnp.int32), (batch, t))
-  exact = jax.block_until_ready(tuple(tuple(jnp.array(x[:, :, :length]) for x in sets)
+  lengths = row_lengths(batch, length, args.spread, slots, t)
+  longest = int(lengths.max())
+  limits = jnp.asarray(lengths[:, None] - t + 1 + np.arange(t), jnp.int32)
+  exact = jax.block_until_ready(tuple(tuple(jnp.array(x[:, :, :longest]) for x in sets)
                                       for sets in (ks, vs)))
-  row = {"batch": batch, "length": length, "t": t, "slots": slots,
-         "floor_ms": floor_ms(batch, length), "ms": {}, "rel_err": {}, "errors": {}}
+  row = {"batch": batch, "length": length, "t": t, "slots": slots, "spread": args.spread,
+         "lengths": lengths.tolist(), "floor_ms": floor_ms(int(lengths.sum())),
+         "default_splits": ra.default_splits(batch, KV_HEADS, slots, ra.DEFAULT_BLOCK_KV),
+         "ms": {}, "rel_err": {}, "errors": {}}
   candidates, reference = {}, None
-  for name, fn in forms(length, slots, variants).items():
+  for name, fn in forms(longest, slots, variants).items():
     k_sets, v_sets = exact if name == "xla_exact" else (ks, vs)
     try:
       out = jax.block_until_ready(jax.jit(fn)(q, k_sets[0], v_sets[0], limits))
@@ -136,7 +156,10 @@ def bench_shape(batch, length, t, slots, variants, args) -> dict:
 
 
 def describe(row) -> str:
-  parts = [f"B={row['batch']:<3} L={row['length']:<4} T={row['t']}  floor {row['floor_ms']:.3f} ms"]
+  spread = (f" (rows {min(row['lengths'])}..{max(row['lengths'])})"
+            if row.get("spread", 1) > 1 else "")
+  parts = [f"B={row['batch']:<3} L={row['length']:<4}{spread} T={row['t']}  floor "
+           f"{row['floor_ms']:.3f} ms, default splits {row['default_splits']}"]
   for name, ms in row["ms"].items():
     ratio, err = ms / row["floor_ms"], row["rel_err"][name]
     parts.append(f"{name} {ms:.3f} ms ({ratio:.2f}x, err {err:.1e})")
@@ -178,6 +201,11 @@ def main():
   parser.add_argument("--lengths", default="128,1024,4096")
   parser.add_argument("--tokens", default="1,8")
   parser.add_argument("--slots", type=int, default=8320)
+  parser.add_argument("--spread", type=float, default=1.0,
+                      help="longest row / shortest row, lengths log-spaced around mean L "
+                           "(default 1: every row L)")
+  parser.add_argument("--splits", default="",
+                      help="comma list of split counts also timed (kernel_s{n}, block_kv 64)")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--budget", type=float, default=BUDGET_S,
@@ -186,7 +214,7 @@ def main():
   parser.add_argument("--verbose", action="store_true")
   args = parser.parse_args()
   begin = time.perf_counter()
-  meta = harness.metadata(layers=LAYERS, cache_sets=SETS, slots=args.slots)
+  meta = harness.metadata(layers=LAYERS, cache_sets=SETS, slots=args.slots, spread=args.spread)
   print(harness.describe_run(meta), flush=True)
   if args.quick:
     shapes = [(1, 1024, 1), (16, 4096, 1), (64, 4096, 1), (64, 4096, 8), (128, 1024, 8)]
@@ -194,6 +222,8 @@ def main():
     shapes = [(b, l, t) for b in harness.int_list(args.batches)
               for l in harness.int_list(args.lengths) for t in harness.int_list(args.tokens)]
   variants = {"kernel_bkv64": dict(block_kv=64), "kernel_bkv128": dict(block_kv=128)}
+  variants.update({f"kernel_s{n}": dict(block_kv=64, splits=n)
+                   for n in harness.int_list(args.splits)} if args.splits else {})
   rows, skipped = [], []
   sweeps = []
   if args.sweep:

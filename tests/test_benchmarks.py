@@ -4,10 +4,11 @@ exits 0 (its checks passed) and prints its summary table last. No timing is asse
 import importlib.util
 import json
 
+import numpy as np
 import pytest
 
-from benchmarks import (bench_compact, bench_decode, bench_hf, bench_load, bench_loop,
-                        bench_sampler)
+from benchmarks import (bench_attention, bench_compact, bench_decode, bench_hf, bench_load,
+                        bench_loop, bench_sampler)
 
 FAST = ["--small", "--backend", "xla", "--repeats", "1"]
 HAS_HF = all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
@@ -89,6 +90,17 @@ def test_floors_take_the_larger_of_bytes_and_compute():
   out = bench_decode.floors(costs, bandwidth=10.0, rate=10.0)
   assert out["a"]["floor_s"] == 10.0 and out["a"]["bound"] == "bytes"
   assert out["b"]["floor_s"] == 100.0 and out["b"]["bound"] == "compute"
+
+
+def test_spread_rows_keep_the_mean_and_span_the_ratio():
+  # bench_attention --spread: rows of mean L, log-spaced, longest / shortest = R, within T..S.
+  lengths = bench_attention.row_lengths(16, 1024, 8.0, 8320)
+  assert abs(lengths.mean() - 1024) < 1 and lengths.max() / lengths.min() == pytest.approx(8, 0.01)
+  assert (np.diff(lengths) > 0).all()
+  assert (bench_attention.row_lengths(4, 1024, 1.0, 8320) == 1024).all()
+  assert bench_attention.row_lengths(2, 100, 1000.0, 150, t=8).tolist() == [8, 150]
+  with pytest.raises(ValueError, match="--spread: expected at least 1, got 0.5"):
+    bench_attention.row_lengths(2, 100, 0.5, 150)
 
 
 @pytest.mark.slow
