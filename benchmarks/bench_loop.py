@@ -11,11 +11,11 @@ of a serving run: for ``--slots`` c slots (default 1), each ``--kv`` form and ea
   random tokens and ``--new`` new tokens each) once to compile and once timed: its chunk seconds
   per round, the loop as serving runs it (a `while_loop` of at most R rounds a call);
 * traces one more queue run and a call of the table's rounds (`jax.profiler`, read back by
-  `bench_profile.read_trace`): kernel time per round in each, the chunk's busy share and gaps,
-  and the kernel groups where the two differ most (``--top``).
+  `bench_profile.read_trace`): kernel time per round in each, each one's busy share and gaps
+  (both traced alike, without command buffers), and the kernel groups where the two differ most (``--top``).
 
 The last table has one row per (kv, R): the table's round, the chunks' round and their ratio,
-the kernels per round in each, the chunks' busy share and their gaps per round. Where the ratio
+the kernels per round in each, the chunks' and the table's busy shares and gaps per round. Where the ratio
 is above 1 and the kernels match, the loop pays outside its kernels (launches, syncs between
 rounds, the host between chunks); where the kernels differ, the groups say which work.
 
@@ -124,13 +124,15 @@ def compare(table: dict, queue: dict, top: int) -> tuple[dict, list[str]]:
   """The two traces per round: totals, the chunks' timeline, the groups that differ most."""
   t_groups = kernel_groups(table["events"], table["rounds"])
   q_groups = kernel_groups(queue["events"], queue["rounds"])
-  timeline = bench_profile.call_timeline(queue["events"], 5e3) if queue["events"] else None
-  per_round = lambda ns: ns / max(queue["rounds"], 1) / 1e3
-  summary = {"table_kernel_us": sum(t_groups.values()), "queue_kernel_us": sum(q_groups.values()),
-             "queue_busy_pct": (100 * timeline["busy_ns"] / timeline["span_ns"]
-                                if timeline and timeline["span_ns"] else None),
-             "queue_gaps_us": per_round(timeline["gaps_ns"]) if timeline else None,
-             "queue_big_gaps_us": per_round(timeline["big_gaps_ns"]) if timeline else None}
+  summary = {"table_kernel_us": sum(t_groups.values()), "queue_kernel_us": sum(q_groups.values())}
+  for name, run in (("queue", queue), ("table", table)):   # both traced alike (no command buffers)
+    timeline = bench_profile.call_timeline(run["events"], 5e3) if run["events"] else None
+    per_round = lambda ns, run=run: ns / max(run["rounds"], 1) / 1e3
+    summary.update({
+        f"{name}_busy_pct": (100 * timeline["busy_ns"] / timeline["span_ns"]
+                             if timeline and timeline["span_ns"] else None),
+        f"{name}_gaps_us": per_round(timeline["gaps_ns"]) if timeline else None,
+        f"{name}_big_gaps_us": per_round(timeline["big_gaps_ns"]) if timeline else None})
   names = sorted(set(t_groups) | set(q_groups),
                  key=lambda k: -abs(q_groups.get(k, 0.0) - t_groups.get(k, 0.0)))[:top]
   summary["groups"] = [{"group": k, "queue_us": q_groups.get(k, 0.0),
@@ -179,9 +181,12 @@ def main(argv=None) -> int:
                    f"{queue['round_s'] * 1e3:.3f}", f"{ratio:.2f}",
                    f"{summary['table_kernel_us']:.1f}", f"{summary['queue_kernel_us']:.1f}",
                    cell(summary["queue_busy_pct"], "{:.1f}"),
-                   cell(summary["queue_gaps_us"], "{:.1f}")])
+                   cell(summary["queue_gaps_us"], "{:.1f}"),
+                   cell(summary["table_busy_pct"], "{:.1f}"),
+                   cell(summary["table_gaps_us"], "{:.1f}")])
   header = ["kv", "R", "table round ms", "chunks ms/round", "ratio", "table kernels µs",
-            "chunks kernels µs", "chunks busy %", "chunks gaps µs/round"]
+            "chunks kernels µs", "chunks busy %", "chunks gaps µs/round", "table busy %",
+            "table gaps µs/round"]
   title = (f"bench_loop ({meta['device_kind']}, {'small' if args.small else 'Qwen3-4B'}, "
            f"c = {args.slots}, prompts {args.prompt} + {args.new} new, γ = {args.gamma}, "
            f"greedy, fixed; traces in {args.out}):")
