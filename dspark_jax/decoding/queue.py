@@ -370,12 +370,12 @@ class Engine:
                                     backend=self.backend, config=self.config)
     target_def, target_state = nnx.split(target)
     draft_def, draft_state = (None, None) if not spec else nnx.split(draft)
-    models = (target_state, draft_state)
-    refill_statics = dict(target_def=target_def, draft_def=draft_def, cache_len=cache_len,
-                          out_len=out_len, prefill_chunk=self.prefill_chunk)
-    chunk_statics = dict(target_def=target_def, draft_def=draft_def, path=path,
-                         store_logits=self.store_logits, backend=choice, schedule=schedule,
-                         rounds_per_call=self.rounds_per_call)
+    weights, weights_tree = jax.tree.flatten((target_state, draft_state))   # `slots._models`
+    refill_statics = dict(weights_tree=weights_tree, target_def=target_def, draft_def=draft_def,
+                          cache_len=cache_len, out_len=out_len, prefill_chunk=self.prefill_chunk)
+    chunk_statics = dict(weights_tree=weights_tree, target_def=target_def, draft_def=draft_def,
+                         path=path, store_logits=self.store_logits, backend=choice,
+                         schedule=schedule, rounds_per_call=self.rounds_per_call)
     state = _empty_state(target, draft, schedule, slots_n, cache_len, out_len, all_inputs,
                          caches=pages is None, memo=self._shapes)
     if pages is not None:
@@ -442,12 +442,12 @@ class Engine:
             if pages is not None:
               row_state = _saved_rows(index, saved, state, light_keys)
               state.update(pages.with_table(state))
-            args = (*models, state, inputs, group, group_lens,
+            args = (weights, state, inputs, group, group_lens,
                     jax.tree.map(lambda x: x[index], all_inputs), where, key,
                     None if pages is None else pages.table(), row_state, resume)
             program, seconds = program_for(
                 ("refill", group.shape, k, packed is not None, tuple(state)), _refill_program,
-                args, dict(refill_statics, packed=packed is not None), (2, 3))
+                args, dict(refill_statics, packed=packed is not None), (1, 2))
             compiled += seconds
             state, inputs = program(*args)          # queued: the next refill's host work overlaps
             groups.append((slots, rows, resume[:rows.size]))
@@ -463,9 +463,9 @@ class Engine:
         need = (int((owner < 0).sum()) + min(self.refill_at, len(queue)) if queue
                 else slots_n + 1 if drain else int((owner < 0).sum()) + 1)
         queued = bool(queue)
-        args = (*models, state, inputs, key, np.int32(need), owner < 0)
+        args = (weights, state, inputs, key, np.int32(need), owner < 0)
         program, _ = program_for(("chunk", tuple(state)), _chunk_program, args, chunk_statics,
-                                 (2,))
+                                 (1,))
         began = time.perf_counter()
         state, iterations, busy = program(*args)
         light = jax.device_get({k: state[k] for k in light_keys})

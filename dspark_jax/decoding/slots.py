@@ -92,8 +92,17 @@ def _admit(state, inputs, fresh, new_inputs, slots, table=None):
   return out, inputs
 
 
-def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_lens, new_inputs,
-                    slots, key, table, saved, resume, *, target_def, draft_def, cache_len, out_len,
+def _models(weights, weights_tree, target_def, draft_def):
+  """The target and draft (None without `draft_def`) from `weights`, the flat leaves of their
+  states ``(target_state, draft_state)`` whose tree is `weights_tree`. The queue's programs take
+  the weights as such a list, which the host passes per call far faster than the nnx states."""
+  target_state, draft_state = jax.tree.unflatten(weights_tree, weights)
+  target = nnx.merge(target_def, target_state)
+  return target, None if draft_def is None else nnx.merge(draft_def, draft_state)
+
+
+def _refill_program(weights, state, inputs, prompt, prompt_lens, new_inputs, slots, key, table,
+                    saved, resume, *, weights_tree, target_def, draft_def, cache_len, out_len,
                     prefill_chunk, packed=False):
   """Prefills K prompts ([K, T]; `packed`: [N] tokens of the K prompts one after another,
   `_pack_prompts`) and admits them into `slots` (module docstring).
@@ -103,8 +112,7 @@ def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_len
   `resume` ([K] bool): a resumed row (a preempted one, `prompt` its prompt and committed tokens
   but the last) takes its saved state instead of the prefill's; only its caches are recomputed.
   """
-  target = nnx.merge(target_def, target_state)
-  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  target, draft = _models(weights, weights_tree, target_def, draft_def)
   caches = {}
   if table is not None:
     caches = {name: SlotCaches.paged_rows(state[name], table, slots)
@@ -122,7 +130,7 @@ def _refill_program(target_state, draft_state, state, inputs, prompt, prompt_len
   return _admit(state, inputs, fresh, new_inputs, slots, table)
 
 
-def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *, target_def,
+def _chunk_program(weights, state, inputs, key, need, idle, *, weights_tree, target_def,
                    draft_def, path, store_logits, backend, schedule, rounds_per_call):
   """Up to `rounds_per_call` iterations; stops early once every slot is done or `need` are.
   Slots `idle` ([S] bool: holding no prompt, e.g. one just preempted) are done.
@@ -137,8 +145,7 @@ def _chunk_program(target_state, draft_state, state, inputs, key, need, idle, *,
   start = state["rounds"]
   if traced:
     state = dict(state, rounds=jnp.zeros_like(start))
-  target = nnx.merge(target_def, target_state)
-  draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+  target, draft = _models(weights, weights_tree, target_def, draft_def)
   body = loop.iteration(target, draft, path, inputs["max_new"], inputs["rows"], inputs["stop_ids"],
                         inputs["stop_seqs"], key, store_logits=store_logits, backend=backend,
                         schedule=schedule)
