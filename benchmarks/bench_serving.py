@@ -359,7 +359,7 @@ def queue_stats(out) -> dict:
           "steady_tokens_per_s": float(out.lengths.sum()) / max(
               out.wall_seconds - out.fill_seconds, 1e-12),
           "per_user_tokens_per_s": float(np.mean(per_user)), "tau": out.tau,
-          "verify_tokens": out.verify_tokens, "rounds": out.rounds,
+          "verify_tokens": out.verify_tokens, "rounds": out.rounds, "chunks": out.chunks,
           "mean_ttft_s": float(np.mean([r.ttft_seconds for r in out.results]))}
 
 

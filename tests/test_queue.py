@@ -65,6 +65,7 @@ def test_each_prompt_decodes_as_in_a_fixed_batch_whatever_its_slot(pair, spec):
   np.testing.assert_array_equal(result.accepted, fixed.accepted)
   assert result.tau == pytest.approx(fixed.tau)
   assert 0 < result.occupancy <= 1 and result.slot_rounds == 2 * result.rounds
+  assert 3 <= result.chunks <= result.rounds          # 6 prompts through 2 slots: 3 waves at least
   assert result.busy_slot_rounds >= result.row_rounds.sum()
   # While prompts wait, both slots are busy but for the iterations after a row's end in its chunk.
   assert 0 < result.queued_rounds < result.rounds and 1 <= result.saturated_rows <= 2

@@ -85,8 +85,9 @@ class QueueResult:
   Attributes:
     results: one `PromptResult` per prompt, in prompt order.
     tokens: [N, max budget] int32, -1 after each prompt's end. lengths: [N].
-    rounds: loop iterations of all chunks. slot_rounds: S × rounds; busy_slot_rounds: the
-      (slot, iteration) pairs whose slot held an unfinished prompt.
+    rounds: loop iterations of all chunks; chunks: the chunk programs run (calls). slot_rounds:
+      S × rounds; busy_slot_rounds: the (slot, iteration) pairs whose slot held an unfinished
+      prompt.
     wall_seconds: the run (compilation excluded); compile_seconds: compilation in this call.
     refill_seconds: of the wall, the refills (prefills of admitted prompts, from a boundary's
       first launch until its last refill is done, the host's preparation of the later ones
@@ -130,6 +131,7 @@ class QueueResult:
   refill_seconds: float = 0.0
   chunk_seconds: float = 0.0
   fill_seconds: float = 0.0
+  chunks: int = 0
 
   @property
   def host_seconds(self) -> float:
@@ -302,6 +304,6 @@ class _Run:
         preemptions=0 if pages is None else pages.preemptions,
         queued_rounds=self.queued_rounds, queued_busy_slot_rounds=self.queued_busy,
         refill_seconds=self.refill_seconds, chunk_seconds=self.chunk_seconds,
-        fill_seconds=self.fill_seconds,
+        fill_seconds=self.fill_seconds, chunks=self.chunks,
         trace=loop.RoundTrace(**{k: np.concatenate([t[k] for t in self.traces])
                                  for k in self.traces[0]}) if self.traces else None)
