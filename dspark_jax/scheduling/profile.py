@@ -226,8 +226,7 @@ def _timed_rounds(target_def, target_state, draft_def, draft_state, rows: int,
   key = jax.random.key(0)
 
   def run(leaves, state, counts, n, inputs, fresh, key):
-    t_state, d_state = jax.tree.unflatten(tree, leaves)
-    body = loop.iteration(nnx.merge(target_def, t_state), nnx.merge(draft_def, d_state), path,
+    body = loop.iteration(*slots._models(leaves, tree, target_def, draft_def), path,
                           inputs["max_new"], inputs["rows"], inputs["stop_ids"],
                           inputs["stop_seqs"], key, backend=backend, schedule=schedule)
 
